@@ -1,0 +1,1 @@
+"""Engine core: request queues, token budget, KV block accounting and prefix caching."""

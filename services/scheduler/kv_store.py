@@ -1,0 +1,229 @@
+"""Mirror of one worker's KV block accounting in a store (Redis, or memory for tests).
+
+The scheduler's in-memory state is authoritative; the store gets each step's
+changes in one round trip and serves three readers: recovery (a restarted
+scheduler rebuilds its prefix index), visibility (block usage from any
+service) and routing (``longest_prefix_hit``).
+
+Redis layout, every key under ``kvmesh:{model}:{worker_id}:``:
+
+- ``meta``         HASH  num_blocks, block_size, num_free_blocks
+- ``prefix``       HASH  hex block hash -> "id,id,..." (the prefix-hash index)
+- ``block_tokens`` HASH  block id -> "tok,tok,..." of each cached block (collision check)
+- ``free_seq``     ZSET  cached blocks in the free queue, scored by when they were
+                         freed, i.e. in free-queue order
+- ``req_blocks``   HASH  request id -> "id,id,..." of each live request
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+import redis
+
+from services.scheduler.kv_cache_utils import BlockHash
+
+K = TypeVar("K")
+
+
+@dataclass(slots=True)
+class KVStateDelta:
+    """The new value of everything that changed since the last commit.
+
+    In every map, None deletes the entry. Writes are idempotent: applying a
+    delta twice gives the same state. ``clear`` drops all stored state first.
+    """
+
+    num_blocks: int
+    block_size: int
+    num_free_blocks: int
+    clear: bool = False
+    prefix_index: dict[str, list[int] | None] = field(default_factory=dict)  # hex hash -> block ids
+    block_token_ids: dict[int, list[int] | None] = field(default_factory=dict)  # cached blocks
+    free_seq: dict[int, int | None] = field(default_factory=dict)  # cached blocks in the free queue
+    req_blocks: dict[str, list[int] | None] = field(default_factory=dict)  # live requests
+
+
+@dataclass(slots=True)
+class KVStateSnapshot:
+    """Accounting state in the store's shape; snapshots compare with ==."""
+
+    num_blocks: int
+    block_size: int
+    num_free_blocks: int
+    cached: dict[str, list[int]] = field(default_factory=dict)  # hex hash -> sorted block ids
+    req_blocks: dict[str, list[int]] = field(default_factory=dict)
+    block_token_ids: dict[int, list[int]] = field(default_factory=dict)  # every cached block
+    free_order: list[int] = field(default_factory=list)  # cached free blocks, queue head first
+
+    def cached_blocks_in_eviction_order(self) -> list[tuple[int, BlockHash, tuple[int, ...]]]:
+        """(block id, hash, token ids) of each verifiable cached block, next to evict first.
+
+        Free cached blocks keep their free-queue order. Blocks the old requests
+        still held come after them, as if each request were freed now (tail
+        first), a shared block where its last holder would free it.
+        """
+        hash_of = {bid: bytes.fromhex(h) for h, ids in self.cached.items() for bid in ids}
+        order = dict.fromkeys(bid for bid in self.free_order if bid in hash_of)
+        free = set(order)
+        for block_ids in self.req_blocks.values():
+            for bid in reversed(block_ids):
+                if bid in hash_of and bid not in free:
+                    order.pop(bid, None)
+                    order[bid] = None
+        order.update(dict.fromkeys(sorted(hash_of)))  # adds only blocks nobody listed
+        # A block without its token ids could not be checked for a collision.
+        return [(bid, hash_of[bid], tuple(self.block_token_ids[bid])) for bid in order
+                if len(self.block_token_ids.get(bid, ())) == self.block_size]
+
+
+class KVStore(Protocol):
+    def apply(self, delta: KVStateDelta) -> None:
+        """Writes a delta in one round trip."""
+
+    def load(self) -> KVStateSnapshot | None:
+        """The stored state, or None if nothing is stored."""
+
+    def longest_prefix_hit(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading hashes are in the prefix index (stops at the first miss)."""
+
+
+def _merge(target: dict[K, list[int]], updates: dict[K, list[int] | None]) -> None:
+    for key, value in updates.items():
+        if value is None:
+            target.pop(key, None)
+        else:
+            target[key] = list(value)
+
+
+class InMemoryKVStore:
+    """A KVStore in this process: for tests and single-process runs."""
+
+    def __init__(self) -> None:
+        self._state: KVStateSnapshot | None = None
+        self._free_seq: dict[int, int] = {}
+
+    def apply(self, delta: KVStateDelta) -> None:
+        if delta.clear or self._state is None:
+            self._state = KVStateSnapshot(delta.num_blocks, delta.block_size, 0)
+            self._free_seq = {}
+        state = self._state
+        state.num_blocks, state.block_size = delta.num_blocks, delta.block_size
+        state.num_free_blocks = delta.num_free_blocks
+        _merge(state.cached, delta.prefix_index)
+        _merge(state.block_token_ids, delta.block_token_ids)
+        _merge(state.req_blocks, delta.req_blocks)
+        for block_id, seq in delta.free_seq.items():
+            if seq is None:
+                self._free_seq.pop(block_id, None)
+            else:
+                self._free_seq[block_id] = seq
+
+    def load(self) -> KVStateSnapshot | None:
+        if self._state is None:
+            return None
+        s = self._state
+        return KVStateSnapshot(
+            s.num_blocks, s.block_size, s.num_free_blocks,
+            cached={h: list(ids) for h, ids in s.cached.items()},
+            req_blocks={r: list(ids) for r, ids in s.req_blocks.items()},
+            block_token_ids={b: list(t) for b, t in s.block_token_ids.items()},
+            free_order=sorted(self._free_seq, key=self._free_seq.__getitem__),
+        )
+
+    def longest_prefix_hit(self, block_hashes: Sequence[BlockHash]) -> int:
+        cached = self._state.cached if self._state is not None else {}
+        num_hits = 0
+        for block_hash in block_hashes:
+            if block_hash.hex() not in cached:
+                break
+            num_hits += 1
+        return num_hits
+
+
+def _encode_ids(ids: list[int]) -> str:
+    return ",".join(map(str, ids))
+
+
+def _decode_ids(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")] if text else []
+
+
+class RedisKVStore:
+    """A KVStore in Redis; every call is one round trip (a MULTI/EXEC pipeline,
+    so readers never see half a step)."""
+
+    def __init__(self, url: str, model: str, worker_id: str) -> None:
+        self.client = redis.Redis.from_url(url, decode_responses=True)
+        prefix = f"kvmesh:{model}:{worker_id}:"
+        self.meta_key = prefix + "meta"
+        self.prefix_key = prefix + "prefix"
+        self.block_tokens_key = prefix + "block_tokens"
+        self.free_seq_key = prefix + "free_seq"
+        self.req_blocks_key = prefix + "req_blocks"
+
+    def _all_keys(self) -> list[str]:
+        return [self.meta_key, self.prefix_key, self.block_tokens_key,
+                self.free_seq_key, self.req_blocks_key]
+
+    def apply(self, delta: KVStateDelta) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        if delta.clear:
+            pipe.delete(*self._all_keys())
+        pipe.hset(self.meta_key, mapping={"num_blocks": delta.num_blocks,
+                                          "block_size": delta.block_size,
+                                          "num_free_blocks": delta.num_free_blocks})
+        self._write_lists(pipe, self.prefix_key, delta.prefix_index)
+        self._write_lists(pipe, self.block_tokens_key, delta.block_token_ids)
+        self._write_lists(pipe, self.req_blocks_key, delta.req_blocks)
+        seqs = {bid: seq for bid, seq in delta.free_seq.items() if seq is not None}
+        gone = [bid for bid, seq in delta.free_seq.items() if seq is None]
+        if seqs:
+            pipe.zadd(self.free_seq_key, seqs)
+        if gone:
+            pipe.zrem(self.free_seq_key, *gone)
+        pipe.execute()
+
+    @staticmethod
+    def _write_lists(pipe: redis.client.Pipeline, key: str,
+                     updates: dict[str, list[int] | None] | dict[int, list[int] | None]) -> None:
+        values = {k: _encode_ids(v) for k, v in updates.items() if v is not None}
+        deleted = [k for k, v in updates.items() if v is None]
+        if values:
+            pipe.hset(key, mapping=values)
+        if deleted:
+            pipe.hdel(key, *deleted)
+
+    def load(self) -> KVStateSnapshot | None:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hgetall(self.meta_key)
+        pipe.hgetall(self.prefix_key)
+        pipe.hgetall(self.block_tokens_key)
+        pipe.zrange(self.free_seq_key, 0, -1)
+        pipe.hgetall(self.req_blocks_key)
+        meta, prefix, block_tokens, free_order, req_blocks = pipe.execute()
+        if not meta:
+            return None
+        return KVStateSnapshot(
+            int(meta["num_blocks"]), int(meta["block_size"]), int(meta["num_free_blocks"]),
+            cached={h: _decode_ids(ids) for h, ids in prefix.items()},
+            req_blocks={r: _decode_ids(ids) for r, ids in req_blocks.items()},
+            block_token_ids={int(b): _decode_ids(t) for b, t in block_tokens.items()},
+            free_order=[int(b) for b in free_order],
+        )
+
+    def longest_prefix_hit(self, block_hashes: Sequence[BlockHash]) -> int:
+        if not block_hashes:
+            return 0
+        found = self.client.hmget(self.prefix_key, [h.hex() for h in block_hashes])
+        num_hits = 0
+        for ids in found:
+            if ids is None:
+                break
+            num_hits += 1
+        return num_hits
+
+    def close(self) -> None:
+        self.client.close()
