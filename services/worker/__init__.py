@@ -1,0 +1,1 @@
+"""Worker service: persistent batch, paged KV cache, model execution and sampling."""

@@ -1,0 +1,51 @@
+"""The attention layer every model uses: cache write, then paged attention."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.paged_attention import paged_attention
+from kernels.reshape_and_cache import reshape_and_cache
+from services.worker.attention.metadata import AttentionMetadata
+
+
+class Attention(nn.Module):
+    """Causal multi-head (GQA) attention over a paged KV cache.
+
+    ``forward`` first stores this step's key/value rows at
+    ``attn_metadata.slot_mapping`` in ``kv_cache`` ([2, num_blocks, block_size,
+    num_kv_heads, head_size]), then attends every query to its request's keys,
+    history and new alike, all read through ``attn_metadata.block_table``.
+    """
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.scale = scale
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """query [T, num_heads * head_size], key/value [T, num_kv_heads * head_size]
+        (or already split into heads) -> [T, num_heads * head_size]."""
+        num_tokens = query.shape[0]
+        query = query.view(num_tokens, self.num_heads, self.head_size)
+        key = key.view(num_tokens, self.num_kv_heads, self.head_size)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_size)
+        key_cache, value_cache = kv_cache.unbind(0)
+        reshape_and_cache(key, value, key_cache, value_cache, attn_metadata.slot_mapping)
+        output = paged_attention(
+            query, key_cache, value_cache,
+            attn_metadata.block_table, attn_metadata.query_start_loc, attn_metadata.seq_lens,
+            self.scale, attn_metadata.num_reqs, attn_metadata.num_actual_tokens,
+            attn_metadata.max_query_len, attn_metadata.max_seq_len,
+        )
+        return output.view(num_tokens, self.num_heads * self.head_size)
+
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"head_size={self.head_size}, scale={self.scale}")

@@ -1,0 +1,50 @@
+"""Load a model and its config from a Hugging Face directory (or the default GGUF)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from services.common.model_files import resolve_model_dir
+from services.worker.config import ModelConfig
+from services.worker.models import get_model
+
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's weight files: those named by the shard index, else every
+    ``*.safetensors`` in the directory."""
+    index = model_dir / _INDEX_FILE
+    if index.exists():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every tensor of the checkpoint, one file at a time."""
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "auto",
+               device: torch.device | str = "cpu") -> tuple[nn.Module, ModelConfig]:
+    """Builds the model for ``model`` (see ``resolve_model_dir``; None = SmolLM2)
+    on ``device`` with weights cast to ``dtype``, in eval mode without gradients."""
+    model_dir = resolve_model_dir(model)
+    config = ModelConfig.from_pretrained(model_dir, dtype)
+    net = get_model(config, device=device)
+    net.load_weights(iter_safetensors_weights(model_dir))
+    net.requires_grad_(False).eval()
+    return net, config

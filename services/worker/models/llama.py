@@ -1,0 +1,205 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+
+The batch is flattened: ``input_ids`` / ``positions`` hold every scheduled token
+of every request back to back, and ``AttentionMetadata`` says where each request
+starts. q/k/v and gate/up projections are fused into one matmul each; the
+checkpoint's separate tensors are written into row ranges of the fused weight
+by ``load_weights``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import skip_init
+
+from services.worker.attention import Attention, AttentionMetadata
+from services.worker.config import ModelConfig
+from services.worker.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_emb
+
+# (fused parameter, checkpoint projection, shard id) in vLLM's naming.
+_STACKED_PARAMS = (
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", "gate"),
+    (".gate_up_proj.", ".up_proj.", "up"),
+)
+
+
+def _linear(in_features: int, out_features: int, bias: bool,
+            dtype: torch.dtype, device: torch.device) -> nn.Linear:
+    # Weights come from the checkpoint: skip the random init, which costs
+    # seconds on large models.
+    return skip_init(nn.Linear, in_features, out_features, bias=bias, dtype=dtype, device=device)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, device: torch.device) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; supported: silu")
+        hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_up_proj = _linear(hidden, 2 * inter, bias, config.dtype, device)
+        self.down_proj = _linear(inter, hidden, bias, config.dtype, device)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, device: torch.device) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_size = config.head_size
+        self.q_size = config.num_heads * config.head_size
+        self.kv_size = config.num_kv_heads * config.head_size
+        self.qkv_proj = _linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                config.qkv_bias, config.dtype, device)
+        self.o_proj = _linear(self.q_size, config.hidden_size, config.o_proj_bias,
+                              config.dtype, device)
+        self.attn = Attention(self.num_heads, self.head_size, self.head_size ** -0.5,
+                              self.num_kv_heads)
+
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], -1)
+        q = apply_rotary_emb(q.view(num_tokens, self.num_heads, self.head_size), cos, sin)
+        k = apply_rotary_emb(k.view(num_tokens, self.num_kv_heads, self.head_size), cos, sin)
+        return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, device: torch.device) -> None:
+        super().__init__()
+        eps, dtype = config.rms_norm_eps, config.dtype
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.self_attn = LlamaAttention(config, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.mlp = LlamaMLP(config, device)
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (mlp output, residual stream); the caller adds them in the next norm."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, cos, sin, kv_cache, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, device: torch.device) -> None:
+        super().__init__()
+        self.embed_tokens = skip_init(nn.Embedding, config.vocab_size, config.hidden_size,
+                                      dtype=config.dtype, device=device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, device)
+                                    for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype, device)
+        self.rotary_emb = RotaryEmbedding(config.head_size, config.max_position_embeddings,
+                                          config.rope_theta, config.rope_scaling,
+                                          config.dtype, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches, need one per layer ({len(self.layers)})")
+        hidden_states = self.embed_tokens(input_ids)
+        # Every layer rotates by the same positions: gather cos/sin once per step.
+        cos, sin = self.rotary_emb(positions)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden_states, residual = layer(hidden_states, residual, cos, sin, kv_cache, attn_metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM head on ``LlamaModel``.
+
+    ``forward(input_ids [T] int64, positions [T] int64, kv_caches, attn_metadata)``
+    -> hidden states [T, hidden_size]; ``kv_caches[i]`` is layer i's
+    [2, num_blocks, block_size, num_kv_heads, head_size] cache, written in place.
+    ``compute_logits`` turns the rows the caller selected into float32 logits.
+    Parameters are uninitialized until ``load_weights``.
+    """
+
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.config = config
+        self.model = LlamaModel(config, device)
+        if config.tie_word_embeddings:
+            self.lm_head: nn.Module = self.model.embed_tokens
+        else:
+            self.lm_head = _linear(config.hidden_size, config.vocab_size, False, config.dtype, device)
+        q_size, kv_size = config.num_heads * config.head_size, config.num_kv_heads * config.head_size
+        inter = config.intermediate_size
+        # Row range [start, start + size) of each shard inside its fused weight.
+        self._shard_rows = {"q": (0, q_size), "k": (q_size, kv_size),
+                            "v": (q_size + kv_size, kv_size), "gate": (0, inter), "up": (inter, inter)}
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[n, hidden_size] -> float32 [n, vocab_size]."""
+        return F.linear(hidden_states, self.lm_head.weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copies Hugging Face-named tensors into the parameters, casting to their dtype.
+
+        Returns the names of the parameters loaded. Raises ValueError for a
+        tensor with no parameter or the wrong shape, and when a parameter (or
+        one shard of a fused one) was never written.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, str | None]] = set()
+        for hf_name, tensor in weights:
+            if "rotary_emb.inv_freq" in hf_name:
+                continue  # old checkpoints store it; it is recomputed
+            if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # the embedding doubles as the head
+            name, shard = _to_param_name(hf_name)
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} matches no parameter of "
+                                 f"{self.config.architecture}")
+            target = params[name].data
+            if shard is not None:
+                target = target.narrow(0, *self._shard_rows[shard])
+            if target.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(target.shape)}")
+            target.copy_(tensor)
+            loaded.add((name, shard))
+        missing = self._expected_shards(params) - loaded
+        if missing:
+            names = sorted(f"{n}[{s}]" if s else n for n, s in missing)
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {names[:5]}")
+        return {name for name, _ in loaded}
+
+    @staticmethod
+    def _expected_shards(params: dict[str, nn.Parameter]) -> set[tuple[str, str | None]]:
+        expected: set[tuple[str, str | None]] = set()
+        for name in params:
+            shards = [s for fused, _, s in _STACKED_PARAMS if fused in name]
+            expected.update((name, s) for s in shards or [None])
+        return expected
+
+
+def _to_param_name(hf_name: str) -> tuple[str, str | None]:
+    """Checkpoint name -> (our parameter name, shard id or None)."""
+    for fused, part, shard in _STACKED_PARAMS:
+        if part in hf_name:
+            return hf_name.replace(part, fused), shard
+    return hf_name, None
