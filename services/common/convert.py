@@ -152,6 +152,7 @@ def engine_core_output_to_proto(o: EngineCoreOutput) -> pb.EngineCoreOutput:
         finish_reason=int(o.finish_reason) if o.finish_reason is not None else 0,
         num_cached_tokens=o.num_cached_tokens,
         finish_message=o.finish_message,
+        status_code=o.status_code,
     )
     if isinstance(o.stop_reason, str):
         msg.stop_str = o.stop_reason
@@ -173,6 +174,7 @@ def engine_core_output_from_proto(msg: pb.EngineCoreOutput) -> EngineCoreOutput:
         stop_reason=getattr(msg, which) if which else None,
         num_cached_tokens=msg.num_cached_tokens,
         finish_message=msg.finish_message,
+        status_code=msg.status_code,
     )
 
 

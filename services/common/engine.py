@@ -63,6 +63,8 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     finish_message: str = ""
+    # A grpc.StatusCode value when the engine refused the request, else 0.
+    status_code: int = 0
 
     @property
     def finished(self) -> bool:

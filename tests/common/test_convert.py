@@ -41,7 +41,7 @@ def test_engine_core_request_and_outputs_round_trip():
             EngineCoreOutput("a", [5], new_logprobs=lp, finish_reason=FinishReason.STOP,
                              stop_reason=5, num_cached_tokens=16),
             EngineCoreOutput("b", [], finish_reason=FinishReason.LENGTH, stop_reason="end",
-                             finish_message="why"),
+                             finish_message="why", status_code=14),
             EngineCoreOutput("c", [7, 8]),
         ],
         engine_index=1, timestamp=2.0,
