@@ -1,0 +1,116 @@
+"""Prompt + SamplingParams -> a validated EngineCoreRequest with an internal id."""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from collections.abc import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+from services.common.engine import EngineCoreRequest
+from services.common.sampling_params import SamplingParams
+from services.frontend.tokenizer import ChatMessage, encode_chat, encode_prompt
+from services.frontend.validation import (
+    DEFAULT_MAX_LOGPROBS,
+    ValidationError,
+    resolve_max_tokens,
+    validate_prompt,
+    validate_sampling_params,
+)
+
+# A prompt: text, token ids, or chat messages ({"role", "content"} dicts).
+PromptType = str | Sequence[int] | Sequence[ChatMessage]
+
+_INTERNAL_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+
+def make_internal_request_id(external_req_id: str) -> str:
+    """``<external>-<8 random hex>``: unique even when clients reuse their ids."""
+    return f"{external_req_id}-{secrets.token_hex(4)}"
+
+
+def external_request_id(internal_req_id: str) -> str:
+    """The client's id inside an id made by ``make_internal_request_id``."""
+    return _INTERNAL_SUFFIX.sub("", internal_req_id)
+
+
+class InputProcessor:
+    """Tokenizes, validates and completes requests for the engine core.
+
+    The caller's SamplingParams are never modified: the request carries a
+    copy with ``max_tokens`` resolved against ``max_model_len`` and the
+    model's extra EOS ids added to ``stop_token_ids``.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.max_logprobs = max_logprobs
+
+    def render_prompt(
+        self, prompt: PromptType, *, add_generation_prompt: bool = True
+    ) -> tuple[str | None, list[int]]:
+        """The prompt's text (None for token ids) and its token ids."""
+        if isinstance(prompt, str):
+            return prompt, encode_prompt(self.tokenizer, prompt)
+        items = list(prompt)
+        if items and all(isinstance(item, dict) for item in items):
+            return encode_chat(self.tokenizer, items, add_generation_prompt=add_generation_prompt)
+        if all(isinstance(item, int) and not isinstance(item, bool) for item in items):
+            return None, items
+        raise ValidationError(
+            "prompt", "prompt must be a string, a list of token ids or a list of chat messages"
+        )
+
+    def process_inputs(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        client_index: int = 0,
+    ) -> EngineCoreRequest:
+        """Builds the request; raises ValidationError naming the bad field.
+
+        ``request_id`` is the client's (external) id; the returned request
+        carries the internal id ``<request_id>-<8 random hex>``.
+        """
+        _, prompt_token_ids = self.render_prompt(prompt)
+        validate_prompt(prompt_token_ids, vocab_size=self.vocab_size)
+        params = self._complete_params(params, len(prompt_token_ids))
+        return EngineCoreRequest(
+            request_id=make_internal_request_id(request_id),
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            priority=priority,
+            cache_salt=cache_salt,
+            client_index=client_index,
+        )
+
+    def _complete_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        params = params.clone()
+        if isinstance(params.stop, str):  # accept stop="x" like the OpenAI API
+            params.stop = [params.stop]
+        validate_sampling_params(params, vocab_size=self.vocab_size, max_logprobs=self.max_logprobs)
+        params.max_tokens = resolve_max_tokens(params, num_prompt_tokens, self.max_model_len)
+        if not params.ignore_eos:
+            # The scheduler knows one eos_token_id; the others stop like stop tokens.
+            extra_eos = [t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids]
+            params.stop_token_ids = [*params.stop_token_ids, *extra_eos]
+        return params

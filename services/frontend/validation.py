@@ -1,0 +1,143 @@
+"""Request validation: every check names the field and the allowed range.
+
+The frontend is the only place requests are checked, so the engine core can
+trust what it receives. gRPC servers map ``ValidationError`` to
+INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+from services.common.sampling_params import SamplingParams
+
+DEFAULT_MAX_LOGPROBS = 20
+# Seeds travel as proto int64.
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+
+
+class ValidationError(ValueError):
+    """A request parameter outside its allowed range; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _fail(field: str, allowed: str, value: object) -> ValidationError:
+    return ValidationError(field, f"{field} must be {allowed}, got {value!r}")
+
+
+def _check_float(
+    field: str, value: object, predicate: Callable[[float], bool], allowed: str
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not predicate(value):
+        raise _fail(field, allowed, value)
+
+
+def _check_int(
+    field: str, value: object, minimum: int, allowed: str, maximum: int | None = None
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _fail(field, allowed, value)
+    if maximum is not None and value > maximum:
+        raise _fail(field, allowed, value)
+
+
+def validate_sampling_params(
+    params: SamplingParams, *, vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS
+) -> None:
+    """Raises ValidationError for the first parameter outside its range.
+
+    ``max_tokens`` may be None here (the input processor fills it from the
+    prompt length); when set, ``min_tokens`` must not exceed it.
+    """
+    _check_int("n", params.n, 1, ">= 1")
+    _check_float("temperature", params.temperature, lambda v: 0 <= v < math.inf, ">= 0")
+    _check_float("top_p", params.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
+    _check_float("min_p", params.min_p, lambda v: 0 <= v <= 1, "in [0, 1]")
+    _check_int("top_k", params.top_k, -1, "-1 or 0 (disabled) or >= 1")
+    if params.max_tokens is not None:
+        _check_int("max_tokens", params.max_tokens, 1, ">= 1")
+    _check_int("min_tokens", params.min_tokens, 0, ">= 0")
+    if params.max_tokens is not None and params.min_tokens > params.max_tokens:
+        raise _fail("min_tokens", f"<= max_tokens ({params.max_tokens})", params.min_tokens)
+    for field in ("presence_penalty", "frequency_penalty"):
+        _check_float(field, getattr(params, field), lambda v: -2 <= v <= 2, "in [-2, 2]")
+    _check_float("repetition_penalty", params.repetition_penalty, lambda v: 0 < v <= 2,
+                 "in (0, 2]")
+    for field in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, field)
+        if value is not None:
+            _check_int(field, value, 0, f"in [0, {max_logprobs}]", max_logprobs)
+    if params.thinking_token_budget is not None:
+        _check_int("thinking_token_budget", params.thinking_token_budget, 0, ">= 0")
+    if params.seed is not None:
+        _check_int("seed", params.seed, INT64_MIN, f"in [{INT64_MIN}, {INT64_MAX}]", INT64_MAX)
+    _validate_stop(params)
+    _validate_token_ids(params, vocab_size)
+
+
+def _validate_stop(params: SamplingParams) -> None:
+    if not isinstance(params.stop, list) or not all(isinstance(s, str) for s in params.stop):
+        raise _fail("stop", "a list of strings", params.stop)
+    if any(s == "" for s in params.stop):
+        raise _fail("stop", "non-empty strings", params.stop)
+    if params.stop and not params.detokenize:
+        raise ValidationError("stop", "stop strings need detokenize=True")
+
+
+def _validate_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
+    if params.logit_bias is not None:
+        check_token_ids("logit_bias", params.logit_bias.keys(), vocab_size)
+        for token_id, bias in params.logit_bias.items():
+            _check_float(f"logit_bias[{token_id}]", bias, math.isfinite, "a finite number")
+    if params.allowed_token_ids is not None:
+        if not params.allowed_token_ids:
+            raise _fail("allowed_token_ids", "a non-empty list when given", [])
+        check_token_ids("allowed_token_ids", params.allowed_token_ids, vocab_size)
+
+
+def check_token_ids(field: str, token_ids: Iterable[int], vocab_size: int) -> None:
+    """Every id must be an int in [0, vocab_size)."""
+    for token_id in token_ids:
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or not (
+            0 <= token_id < vocab_size
+        ):
+            raise ValidationError(
+                field, f"{field} must hold token ids in [0, {vocab_size}), got {token_id!r}"
+            )
+
+
+def validate_prompt(prompt_token_ids: list[int], *, vocab_size: int) -> None:
+    """The prompt must be non-empty and made of ids the model knows."""
+    if not prompt_token_ids:
+        raise ValidationError("prompt", "prompt must not be empty")
+    check_token_ids("prompt", prompt_token_ids, vocab_size)
+
+
+def resolve_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model_len: int) -> int:
+    """The max_tokens the request will run with, checked against max_model_len.
+
+    None means "up to the context window": max_model_len - prompt length.
+    """
+    if params.max_tokens is None:
+        if num_prompt_tokens >= max_model_len:
+            raise ValidationError(
+                "prompt",
+                f"prompt has {num_prompt_tokens} tokens, max_model_len is {max_model_len}",
+            )
+        max_tokens = max_model_len - num_prompt_tokens
+        if params.min_tokens > max_tokens:
+            raise _fail("min_tokens", f"<= max_tokens ({max_tokens})", params.min_tokens)
+        return max_tokens
+    if num_prompt_tokens + params.max_tokens > max_model_len:
+        raise ValidationError(
+            "max_tokens",
+            f"prompt has {num_prompt_tokens} tokens and max_tokens is {params.max_tokens}, "
+            f"but max_model_len is {max_model_len}",
+        )
+    return params.max_tokens
