@@ -1,0 +1,139 @@
+"""The logits-processor contract (vLLM V1's ``LogitsProcessor`` / ``BatchUpdate``).
+
+A logits processor is a batch-level object: it keeps per-row state for the
+persistent batch, follows the batch through ``update_state(BatchUpdate | None)``
+(called once per step, before sampling) and edits the ``[num_reqs, vocab]``
+float32 logits in ``apply``.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+
+from services.common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from services.worker.sample.logits_processor.thinking import ThinkingConfig
+
+
+class MoveDirectionality(enum.Enum):
+    """How a request changed rows in the persistent batch."""
+
+    UNIDIRECTIONAL = enum.auto()  # i1 -> i2; i1 is left empty
+    SWAP = enum.auto()  # i1 <-> i2; both rows stay occupied
+
+
+RemovedRequest = int
+# (row, sampling params, prompt token ids, output token ids). The output list is
+# the live list the runner appends to, so a processor always sees the latest tokens.
+AddedRequest = tuple[int, SamplingParams, list[int] | None, list[int]]
+MovedRequest = tuple[int, int, MoveDirectionality]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchUpdate:
+    """The persistent batch's changes since the previous step.
+
+    Apply in this order: ``removed``, then ``added``, then ``moved`` (in list
+    order). An ``added`` row replaces whatever state the row held. After the
+    update the batch occupies rows ``[0, batch_size)``.
+    """
+
+    batch_size: int
+    removed: Sequence[RemovedRequest]
+    added: Sequence[AddedRequest]
+    moved: Sequence[MovedRequest]
+
+
+@dataclass(frozen=True, slots=True)
+class LogitsProcessorConfig:
+    """What every processor constructor receives (vLLM passes its VllmConfig)."""
+
+    max_num_reqs: int
+    vocab_size: int
+    thinking: ThinkingConfig | None = None
+
+
+class LogitsProcessor(ABC):
+    """A batch-level logits transform.
+
+    ``is_argmax_invariant()`` decides where the sampler applies it: processors
+    that can change the argmax (logit bias, min tokens) run before greedy
+    sampling; argmax-invariant ones (min-p) run after temperature, on the
+    random-sampling path only.
+    """
+
+    @classmethod
+    def validate_params(cls, params: SamplingParams) -> None:
+        """Raise ValueError if ``params`` cannot be served by this processor.
+
+        Called for every request when it joins the batch.
+        """
+        return None
+
+    @abstractmethod
+    def __init__(
+        self, config: LogitsProcessorConfig, device: torch.device, is_pin_memory: bool
+    ) -> None:
+        raise NotImplementedError
+
+    @abstractmethod
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Transform float32 ``[batch_size, vocab]`` logits (in place allowed) and return them."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def is_argmax_invariant(self) -> bool:
+        """True if ``apply`` never changes any row's argmax."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        """Follow the batch; called every step (None when rows did not change)."""
+        raise NotImplementedError
+
+
+T = TypeVar("T")
+NewStateFn = Callable[[SamplingParams, list[int] | None, list[int]], T | None]
+
+
+def process_dict_updates(
+    req_entries: dict[int, T], batch_update: BatchUpdate | None, new_state: NewStateFn
+) -> bool:
+    """Apply ``batch_update`` to a ``{row: state}`` dict; return True if it changed.
+
+    ``new_state(params, prompt_ids, output_ids)`` builds an added request's
+    state, or returns None when the request does not use the processor (any
+    stale state at that row is then dropped).
+    """
+    if batch_update is None:
+        return False
+    changed = False
+    for row in batch_update.removed:
+        if req_entries.pop(row, None) is not None:
+            changed = True
+    for row, params, prompt_ids, output_ids in batch_update.added:
+        state = new_state(params, prompt_ids, output_ids)
+        if state is not None:
+            req_entries[row] = state
+            changed = True
+        elif req_entries.pop(row, None) is not None:
+            changed = True
+    for src, dst, direction in batch_update.moved:
+        # Pop both first so a swap never overwrites the entry it still needs.
+        src_entry = req_entries.pop(src, None)
+        dst_entry = req_entries.pop(dst, None)
+        if src_entry is not None:
+            req_entries[dst] = src_entry
+            changed = True
+        if dst_entry is not None:
+            changed = True
+            if direction is MoveDirectionality.SWAP:
+                req_entries[src] = dst_entry
+    return changed

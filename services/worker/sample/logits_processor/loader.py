@@ -1,0 +1,107 @@
+"""Loading custom processors and building the worker's LogitsProcessors.
+
+Custom processors come from two places, in this order:
+1. installed plugins: the entry-point group ``kvmesh.logits_processors``, e.g.
+   ``[project.entry-points."kvmesh.logits_processors"] my_proc = "my_pkg.procs:MyProc"``;
+2. the worker's ``logits_processors`` setting: classes, or ``"module.path:QualName"`` strings.
+A class named twice is built once.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from importlib.metadata import entry_points
+
+import torch
+
+from services.worker.sample.logits_processor.builtin import (
+    LogitBiasLogitsProcessor,
+    MinPLogitsProcessor,
+    MinTokensLogitsProcessor,
+)
+from services.worker.sample.logits_processor.interface import (
+    LogitsProcessor,
+    LogitsProcessorConfig,
+)
+from services.worker.sample.logits_processor.state import LogitsProcessors
+from services.worker.sample.logits_processor.thinking import ThinkingBudgetLogitsProcessor
+
+LOGITSPROCS_GROUP = "kvmesh.logits_processors"
+
+BUILTIN_LOGITS_PROCESSORS: tuple[type[LogitsProcessor], ...] = (
+    MinTokensLogitsProcessor,
+    LogitBiasLogitsProcessor,
+    MinPLogitsProcessor,
+)
+
+
+def _check_processor_class(obj: object, origin: str) -> type[LogitsProcessor]:
+    if not isinstance(obj, type) or not issubclass(obj, LogitsProcessor):
+        raise ValueError(f"logits processor {origin} is {obj!r}, not a LogitsProcessor subclass")
+    return obj
+
+
+def load_plugin_logitsprocs() -> list[type[LogitsProcessor]]:
+    """Every class registered under the ``kvmesh.logits_processors`` entry-point group."""
+    classes: list[type[LogitsProcessor]] = []
+    for entry_point in entry_points(group=LOGITSPROCS_GROUP):
+        try:
+            obj = entry_point.load()
+        except Exception as e:
+            raise RuntimeError(
+                f"failed to load logits processor plugin {entry_point.name!r} "
+                f"({entry_point.value})"
+            ) from e
+        classes.append(_check_processor_class(obj, f"plugin {entry_point.name!r}"))
+    return classes
+
+
+def load_logitsproc_by_qualname(spec: str) -> type[LogitsProcessor]:
+    """Import ``"module.path:QualName"`` (QualName may be dotted, for nested classes)."""
+    module_path, sep, qualname = spec.partition(":")
+    if not sep or not module_path or not qualname:
+        raise ValueError(f"logits processor {spec!r} must be written 'module.path:ClassName'")
+    try:
+        obj: object = importlib.import_module(module_path)
+    except Exception as e:
+        raise RuntimeError(
+            f"failed to import module {module_path!r} for logits processor {spec!r}"
+        ) from e
+    for attr in qualname.split("."):
+        try:
+            obj = getattr(obj, attr)
+        except AttributeError as e:
+            raise ValueError(f"logits processor {spec!r}: {attr!r} not found") from e
+    return _check_processor_class(obj, repr(spec))
+
+
+def load_custom_logitsprocs(
+    specs: Sequence[str | type[LogitsProcessor]] = (),
+) -> list[type[LogitsProcessor]]:
+    """Plugins first, then ``specs``; duplicates dropped, first occurrence kept."""
+    classes = load_plugin_logitsprocs()
+    for spec in specs:
+        if isinstance(spec, str):
+            classes.append(load_logitsproc_by_qualname(spec))
+        else:
+            classes.append(_check_processor_class(spec, repr(spec)))
+    return list(dict.fromkeys(classes))
+
+
+def build_logitsprocs(
+    config: LogitsProcessorConfig,
+    device: torch.device,
+    is_pin_memory: bool,
+    custom: Sequence[str | type[LogitsProcessor]] = (),
+) -> LogitsProcessors:
+    """Instantiate the built-ins, the thinking budget (if configured) and the custom processors.
+
+    Order within each argmax group: min tokens, logit bias, thinking budget (last
+    of the built-ins so nothing undoes its forcing), then custom processors.
+    """
+    classes: list[type[LogitsProcessor]] = list(BUILTIN_LOGITS_PROCESSORS)
+    if config.thinking is not None:
+        classes.append(ThinkingBudgetLogitsProcessor)
+    classes.extend(c for c in load_custom_logitsprocs(custom) if c not in classes)
+    return LogitsProcessors(cls(config, device, is_pin_memory) for cls in classes)

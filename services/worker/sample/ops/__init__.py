@@ -1,0 +1,1 @@
+"""Batched sampling ops on [num_reqs, vocab] logits."""

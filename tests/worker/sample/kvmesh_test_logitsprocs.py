@@ -1,0 +1,100 @@
+"""Custom logits processors the sampler tests load by "module:Class" and entry point."""
+
+from __future__ import annotations
+
+import torch
+
+from services.common.sampling_params import SamplingParams
+from services.worker.sample.logits_processor import (
+    AdapterLogitsProcessor,
+    BatchUpdate,
+    LogitsProcessor,
+    LogitsProcessorConfig,
+)
+
+
+class BanFirstTokenProcessor(LogitsProcessor):
+    """Bans token 0 in every row (a stateless batch-level processor)."""
+
+    def __init__(
+        self, config: LogitsProcessorConfig, device: torch.device, is_pin_memory: bool
+    ) -> None:
+        self.max_num_reqs = config.max_num_reqs
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        return None
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        logits[:, 0] = float("-inf")
+        return logits
+
+
+class RejectMaxTokens13Processor(BanFirstTokenProcessor):
+    """Rejects requests with max_tokens == 13 at add time; otherwise inert."""
+
+    @classmethod
+    def validate_params(cls, params: SamplingParams) -> None:
+        if params.max_tokens == 13:
+            raise ValueError("max_tokens=13 is not served")
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+
+class NoRepeatAdapter(AdapterLogitsProcessor):
+    """Seeded requests may not repeat their previous output token.
+
+    Two-argument callable that returns a NEW row (exercises the write-back).
+    SamplingParams carries no custom fields, so ``seed`` is the trigger.
+    """
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def new_req_logits_processor(self, params: SamplingParams):
+        if params.seed is None:
+            return None
+
+        def ban_last(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+            if not output_ids:
+                return logits
+            banned = logits.clone()
+            banned[output_ids[-1]] = float("-inf")
+            return banned
+
+        return ban_last
+
+
+class BanPromptTokensAdapter(AdapterLogitsProcessor):
+    """Seeded requests may not emit any prompt token (three-argument callable, in place)."""
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def new_req_logits_processor(self, params: SamplingParams):
+        if params.seed is None:
+            return None
+        return _BanPrompt()
+
+
+class _BanPrompt:
+    def __call__(
+        self, prompt_ids: list[int], output_ids: list[int], logits: torch.Tensor
+    ) -> torch.Tensor:
+        logits[prompt_ids] = float("-inf")
+        return logits
+
+
+class FourArgAdapter(AdapterLogitsProcessor):
+    """Returns a callable of the wrong arity: adding a seeded request must fail."""
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def new_req_logits_processor(self, params: SamplingParams):
+        if params.seed is None:
+            return None
+        return lambda a, b, c, d: d

@@ -1,0 +1,125 @@
+"""Custom processors: loading by "module:Class" and entry point, and the per-request adapter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.common.sampling_params import SamplingParams
+from services.worker.sample import Sampler, SamplingState
+from services.worker.sample.logits_processor import LOGITSPROCS_GROUP, load_custom_logitsprocs
+
+CPU = torch.device("cpu")
+HERE = Path(__file__).parent
+MODULE = "kvmesh_test_logitsprocs"
+
+
+@pytest.fixture(autouse=True)
+def _test_module_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(HERE))
+
+
+def greedy(state: SamplingState, logits: torch.Tensor) -> list[int]:
+    md = state.make_sampling_metadata(state.num_reqs)
+    return Sampler()(logits.clone(), md).sampled_token_ids.tolist()
+
+
+def test_load_by_qualname_and_apply() -> None:
+    state = SamplingState(2, 4, CPU, logitsprocs=[f"{MODULE}:BanFirstTokenProcessor"])
+    names = [type(p).__name__ for p in state.logitsprocs.non_argmax_invariant]
+    assert names[-1] == "BanFirstTokenProcessor"
+    state.add_request(0, SamplingParams(temperature=0.0), [1], [])
+    state.add_request(1, SamplingParams(temperature=0.0), [1], [])
+    assert greedy(state, torch.tensor([[5.0, 1.0, 2.0, 0.0]] * 2)) == [2, 2]
+
+
+@pytest.mark.parametrize(
+    ("spec", "error", "match"),
+    [
+        (f"{MODULE}.BanFirstTokenProcessor", ValueError, "must be written 'module.path:ClassName'"),
+        (f"{MODULE}:Missing", ValueError, "'Missing' not found"),
+        (f"{MODULE}:_BanPrompt", ValueError, "not a LogitsProcessor subclass"),
+        ("kvmesh_no_such_module:Proc", RuntimeError, "failed to import module 'kvmesh_no_such"),
+    ],
+)
+def test_bad_qualnames(spec: str, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        load_custom_logitsprocs([spec])
+
+
+def test_class_objects_are_accepted_and_duplicates_dropped() -> None:
+    from kvmesh_test_logitsprocs import BanFirstTokenProcessor
+
+    classes = load_custom_logitsprocs(
+        [BanFirstTokenProcessor, f"{MODULE}:BanFirstTokenProcessor"]
+    )
+    assert classes == [BanFirstTokenProcessor]
+    with pytest.raises(ValueError, match="not a LogitsProcessor subclass"):
+        load_custom_logitsprocs([int])  # type: ignore[list-item]
+
+
+def _install_plugin(root: Path, target: str) -> None:
+    dist_info = root / "kvmesh_test_plugin-1.0.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: kvmesh-test-plugin\nVersion: 1.0\n"
+    )
+    (dist_info / "entry_points.txt").write_text(f"[{LOGITSPROCS_GROUP}]\nban_first = {target}\n")
+
+
+def test_entry_point_plugin_is_loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load_custom_logitsprocs() == []
+    _install_plugin(tmp_path, f"{MODULE}:BanFirstTokenProcessor")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    classes = load_custom_logitsprocs()
+    assert [c.__name__ for c in classes] == ["BanFirstTokenProcessor"]
+    state = SamplingState(1, 3, CPU)
+    state.add_request(0, SamplingParams(temperature=0.0), [1], [])
+    assert greedy(state, torch.tensor([[3.0, 2.0, 1.0]])) == [1]
+
+
+def test_broken_entry_point_names_the_plugin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _install_plugin(tmp_path, "kvmesh_no_such_module:Proc")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RuntimeError, match="plugin 'ban_first'"):
+        load_custom_logitsprocs()
+
+
+def test_adapter_two_argument_callable_sees_live_outputs() -> None:
+    state = SamplingState(2, 4, CPU, logitsprocs=[f"{MODULE}:NoRepeatAdapter"])
+    outputs: list[list[int]] = [[], []]
+    state.add_request(0, SamplingParams(temperature=0.0, seed=1), [3], outputs[0])
+    state.add_request(1, SamplingParams(temperature=0.0), [3], outputs[1])
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0]] * 2)
+    tokens: list[list[int]] = []
+    for _ in range(4):
+        step = greedy(state, logits)
+        for out, token in zip(outputs, step):
+            out.append(token)
+        tokens.append(step)
+    # Row 0 may not repeat its previous token; row 1 has no callable.
+    assert [t[0] for t in tokens] == [0, 1, 0, 1]
+    assert [t[1] for t in tokens] == [0, 0, 0, 0]
+
+
+def test_adapter_three_argument_callable_gets_the_prompt_and_follows_moves() -> None:
+    state = SamplingState(3, 5, CPU, logitsprocs=[f"{MODULE}:BanPromptTokensAdapter"])
+    state.add_request(0, SamplingParams(temperature=0.0), [0], [])
+    state.add_request(1, SamplingParams(temperature=0.0), [0], [])
+    state.add_request(2, SamplingParams(temperature=0.0, seed=4), [0, 1], [])
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0]])
+    assert greedy(state, logits.expand(3, -1)) == [0, 0, 2]
+    state.remove_request(0)
+    state.move_request(2, 0)
+    assert greedy(state, logits.expand(2, -1)) == [2, 0]
+
+
+def test_adapter_rejects_a_callable_of_the_wrong_arity() -> None:
+    state = SamplingState(1, 5, CPU, logitsprocs=[f"{MODULE}:FourArgAdapter"])
+    state.add_request(0, SamplingParams(temperature=0.0, seed=4), [0], [])
+    with pytest.raises(ValueError, match="FourArgAdapter: .* got 4"):
+        state.make_sampling_metadata(1)
