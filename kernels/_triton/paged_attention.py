@@ -1,0 +1,170 @@
+"""Triton kernel: paged attention for mixed prefill + decode batches.
+
+One program per (query block of one request, kv head). A query block packs BLOCK_Q
+consecutive tokens of the request times the NUM_QUERIES_PER_KV query heads sharing the
+kv head, so each K/V tile loaded through the block table serves the whole GQA group.
+Keys are visited in tiles of BLOCK_N positions with an online (flash-attention) softmax.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr):
+    """Request owning global query block `q_block`.
+
+    Request r's blocks start at `query_start_loc[r] // BLOCK_Q + r`, a strictly increasing
+    bound that leaves room for cdiv(q_len, BLOCK_Q) blocks per request without a prefix sum.
+    Returns the last r whose start is <= q_block.
+    """
+    lo = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_block <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, query_ptr,                  # [num_tokens, num_heads, head_size]
+    key_cache_ptr, value_cache_ptr,      # [num_blocks, block_size, num_kv_heads, head_size]
+    block_table_ptr,                     # int32 [>= num_reqs, max_num_blocks_per_req]
+    query_start_loc_ptr,                 # int32 [num_reqs + 1]
+    seq_lens_ptr,                        # int32 [num_reqs]
+    scale_log2,                          # softmax scale * log2(e): exp2 instead of exp
+    num_reqs,
+    query_stride_token, query_stride_head,
+    out_stride_token, out_stride_head,
+    cache_stride_block, cache_stride_offset, cache_stride_head,
+    block_table_stride,
+    block_size,
+    NUM_QUERIES_PER_KV: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_PADDED: tl.constexpr,
+    BLOCK_Q: tl.constexpr,               # query tokens per program
+    BLOCK_M: tl.constexpr,               # rows: power of two >= BLOCK_Q * NUM_QUERIES_PER_KV
+    BLOCK_N: tl.constexpr,               # keys per tile
+    DOT_PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,           # interpreter only: its tl.dot cannot multiply bf16
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    local_block = q_block - (q_start // BLOCK_Q + req)
+    if local_block * BLOCK_Q >= q_len:  # spare program of the upper-bound grid
+        return
+    context_len = tl.load(seq_lens_ptr + req) - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_offset = local_block * BLOCK_Q + rows // NUM_QUERIES_PER_KV
+    head = kv_head * NUM_QUERIES_PER_KV + rows % NUM_QUERIES_PER_KV
+    row_valid = (rows < BLOCK_Q * NUM_QUERIES_PER_KV) & (q_offset < q_len)
+    dims = tl.arange(0, HEAD_SIZE_PADDED)
+    dim_valid = dims < HEAD_SIZE
+    token = (q_start + q_offset).to(tl.int64)
+    io_mask = row_valid[:, None] & dim_valid[None, :]
+    q = tl.load(query_ptr + token[:, None] * query_stride_token + head[:, None] * query_stride_head
+                + dims[None, :], mask=io_mask, other=0.0)
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
+    q_pos = context_len + q_offset
+
+    # Every row (padding rows too) may see key 0, so m_i is finite after the first tile
+    # and the rescaling below never computes exp2(-inf - -inf).
+    num_keys = context_len + tl.minimum(local_block * BLOCK_Q + BLOCK_Q, q_len)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
+    block_table_row = block_table_ptr + req.to(tl.int64) * block_table_stride
+    for tile_start in range(0, num_keys, BLOCK_N):
+        k_pos = tile_start + tl.arange(0, BLOCK_N)
+        k_valid = k_pos < num_keys
+        block_ids = tl.load(block_table_row + k_pos // block_size, mask=k_valid, other=0).to(tl.int64)
+        kv_offset = (block_ids * cache_stride_block + (k_pos % block_size) * cache_stride_offset
+                     + kv_head * cache_stride_head)
+        k_t = tl.load(key_cache_ptr + kv_offset[None, :] + dims[:, None],
+                      mask=k_valid[None, :] & dim_valid[:, None], other=0.0)
+        if DOT_IN_FP32:
+            k_t = k_t.to(tl.float32)
+        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
+        allowed = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+        scores = tl.where(allowed, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(value_cache_ptr + kv_offset[:, None] + dims[None, :],
+                    mask=k_valid[:, None] & dim_valid[None, :], other=0.0)
+        if DOT_IN_FP32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    acc = acc / l_i[:, None]
+    tl.store(out_ptr + token[:, None] * out_stride_token + head[:, None] * out_stride_head
+             + dims[None, :], acc.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def _tile_sizes(num_queries_per_kv: int, max_query_len: int,
+                dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_Q, BLOCK_N): 16 rows suit decode, 64 rows amortize K/V loads in prefill.
+
+    fp32 keeps 32-key tiles: 64 x 64 fp32 tiles need 66 KB of shared memory on sm_90.
+    """
+    rows_wanted = 64 if max_query_len * num_queries_per_kv >= 64 else 16
+    block_m = max(rows_wanted, triton.next_power_of_2(num_queries_per_kv))
+    block_n = 64 if block_m >= 64 and dtype != torch.float32 else 32
+    return block_m, block_m // num_queries_per_kv, block_n
+
+
+def launch_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, num_reqs: int,
+                           num_actual_tokens: int, max_query_len: int, out: torch.Tensor) -> None:
+    """Write attention of the first num_actual_tokens rows into out, zero the padding rows.
+
+    Needs only host integers (no device sync), so it can be captured in a CUDA graph.
+    """
+    for name, t in (("query", query), ("out", out), ("key_cache", key_cache),
+                    ("value_cache", value_cache), ("block_table", block_table)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim, strides {t.stride()}")
+    if key_cache.stride() != value_cache.stride():
+        raise ValueError(f"key/value cache strides differ: {key_cache.stride()} vs {value_cache.stride()}")
+    out[num_actual_tokens:].zero_()
+    if num_reqs == 0 or num_actual_tokens == 0:
+        return
+    num_heads, head_size = query.shape[1:]
+    num_kv_heads = key_cache.shape[2]
+    num_queries_per_kv = num_heads // num_kv_heads
+    block_m, block_q, block_n = _tile_sizes(num_queries_per_kv, max_query_len, query.dtype)
+    # Upper bound on query blocks (see _find_request); spare programs exit at once.
+    grid = (num_actual_tokens // block_q + num_reqs, num_kv_heads)
+    _paged_attention_kernel[grid](
+        out, query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
+        scale * _LOG2E, num_reqs,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        block_table.stride(0), key_cache.shape[1],
+        NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_SIZE=head_size,
+        HEAD_SIZE_PADDED=max(16, triton.next_power_of_2(head_size)),
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        # fp32 inputs: full-precision dots, TF32 would miss the 1e-3 contract.
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        # The interpreter multiplies bf16 operands as their raw uint16 bits.
+        DOT_IN_FP32=query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+    )
