@@ -1,0 +1,311 @@
+"""Runs one scheduler step on the model (vLLM V1's GPUModelRunner, CPU or CUDA).
+
+Per step: apply the SchedulerOutput diff to the persistent batch
+(``_update_states``), build the flattened inputs in CPU buffers and copy them to
+the device once (``_prepare_inputs``), run the model, compute logits only at
+each request's last scheduled token, sample, and record the sampled tokens
+(``execute_model``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from services.common.engine import Logprobs
+from services.common.outputs import ModelRunnerOutput
+from services.common.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from services.worker.attention.metadata import AttentionMetadata
+from services.worker.config import ModelConfig
+from services.worker.input_batch import CachedRequestState, InputBatch
+from services.worker.sample import Sampler, SamplerOutput, ThinkingConfig, compute_prompt_logprobs
+
+
+@dataclass(slots=True)
+class _StepInputs:
+    input_ids: torch.Tensor  # int64 [num_tokens] on the device
+    positions: torch.Tensor  # int64 [num_tokens] on the device
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # int64 [num_reqs]: each request's last scheduled token
+    num_scheduled_tokens: np.ndarray  # int32 [num_reqs], in batch row order
+
+
+class _StagedBuffer:
+    """A CPU staging tensor (pinned on CUDA) with its device twin, allocated once.
+
+    On the CPU both are the same tensor, so the per-step copy is free.
+    """
+
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device) -> None:
+        on_cpu = device.type == "cpu"
+        self.cpu = torch.zeros(size, dtype=dtype, pin_memory=not on_cpu)
+        self.np = self.cpu.numpy()
+        self.device = self.cpu if on_cpu else torch.zeros(size, dtype=dtype, device=device)
+
+    def copy_to_device(self, n: int) -> torch.Tensor:
+        if self.device is not self.cpu:
+            self.device[:n].copy_(self.cpu[:n], non_blocking=True)
+        return self.device[:n]
+
+
+class ModelRunner:
+    """Holds the persistent batch and the KV cache of one worker and executes steps.
+
+    ``requests`` keeps the state of every request the scheduler has placed here
+    and not finished, including preempted ones that are out of the batch.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        model_config: ModelConfig,
+        kv_caches: list[torch.Tensor],
+        *,
+        block_size: int,
+        max_num_reqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        device: torch.device,
+        logitsprocs: Sequence[str | type] = (),
+        thinking: ThinkingConfig | None = None,
+    ) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.kv_caches = kv_caches
+        self.device = torch.device(device)
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(
+            max_num_reqs, max_model_len, max_num_batched_tokens, self.device, block_size,
+            model_config.vocab_size, logitsprocs=logitsprocs, thinking=thinking,
+            eos_token_id=model_config.eos_token_ids[0] if model_config.eos_token_ids else None,
+        )
+        self.sampler = Sampler()
+        # Requests still owed prompt logprobs; usually empty, so the per-step
+        # check costs nothing for everyone else.
+        self._prompt_logprobs_req_ids: set[str] = set()
+        self.input_ids = _StagedBuffer(max_num_batched_tokens, torch.int64, self.device)
+        self.positions = _StagedBuffer(max_num_batched_tokens, torch.int64, self.device)
+        self.query_start_loc = _StagedBuffer(max_num_reqs + 1, torch.int32, self.device)
+        self.seq_lens = _StagedBuffer(max_num_reqs, torch.int32, self.device)
+        self.arange_np = np.arange(max(max_num_reqs, max_num_batched_tokens) + 1, dtype=np.int64)
+
+    # ------------------------------------------------------------------ states
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        """Applies the step's diff to ``requests`` and the persistent batch.
+
+        Finished requests are forgotten. Requests in the batch but not scheduled
+        this step (preempted, or left out of the token budget) leave the batch
+        but keep their state. New requests arrive in full; cached ones get their
+        new block ids appended, or replaced when resumed from preemption, and
+        re-enter the batch if they had left it. Ends with a dense batch.
+        """
+        batch = self.input_batch
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+            self._prompt_logprobs_req_ids.discard(req_id)
+            batch.remove_request(req_id)
+        scheduled = scheduler_output.num_scheduled_tokens
+        for req_id in [r for r in batch.req_id_to_index if r not in scheduled]:
+            batch.remove_request(req_id)
+        reqs_to_add = [self._add_new_request(r) for r in scheduler_output.scheduled_new_reqs]
+        reqs_to_add += self._update_cached_requests(scheduler_output.scheduled_cached_reqs)
+        for state in reqs_to_add:
+            batch.add_request(state)
+        batch.condense()
+
+    def _add_new_request(self, new_req: NewRequestData) -> CachedRequestState:
+        """Records a request sent in full; the caller puts it into the batch."""
+        self.input_batch.remove_request(new_req.req_id)  # re-placed after a lost worker
+        state = CachedRequestState(
+            req_id=new_req.req_id,
+            prompt_token_ids=list(new_req.prompt_token_ids),
+            sampling_params=new_req.sampling_params,
+            block_ids=list(new_req.block_ids),
+            num_computed_tokens=new_req.num_computed_tokens,
+            output_token_ids=list(new_req.output_token_ids),
+        )
+        if new_req.sampling_params.prompt_logprobs is not None:
+            if state.output_token_ids:
+                # The prompt was finished on the lost worker: its logprobs went out.
+                state.num_prompt_logprobs_sent = len(state.prompt_token_ids) - 1
+            else:
+                self._prompt_logprobs_req_ids.add(new_req.req_id)
+        self.requests[new_req.req_id] = state
+        return state
+
+    def _update_cached_requests(self, cached: CachedRequestData) -> list[CachedRequestState]:
+        """Applies block and progress deltas; returns the states that must re-enter the batch."""
+        batch = self.input_batch
+        reqs_to_add: list[CachedRequestState] = []
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests.get(req_id)
+            if state is None:
+                raise KeyError(f"scheduled request {req_id!r} was never sent to this worker in full")
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            new_block_ids = cached.new_block_ids[i]
+            resumed = cached.resumed_from_preemption[i]
+            if resumed:
+                state.block_ids = list(new_block_ids)
+            else:
+                state.block_ids.extend(new_block_ids)
+            row = batch.req_id_to_index.get(req_id)
+            if row is None:
+                reqs_to_add.append(state)
+            elif resumed:
+                batch.num_computed_tokens_cpu[row] = state.num_computed_tokens
+                batch.block_table.add_row(state.block_ids, row)
+            else:
+                batch.num_computed_tokens_cpu[row] = state.num_computed_tokens
+                batch.block_table.append_row(new_block_ids, row)
+        return reqs_to_add
+
+    # ------------------------------------------------------------------ inputs
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> _StepInputs:
+        """Flattened input ids, positions and attention metadata for the batch.
+
+        Built with numpy in the CPU staging buffers, then each buffer is copied
+        to the device once.
+        """
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        scheduled = scheduler_output.num_scheduled_tokens
+        num_scheduled = np.fromiter(
+            (scheduled[req_id] for req_id in batch.req_ids), dtype=np.int32, count=num_reqs
+        )
+        cu_num_tokens = np.cumsum(num_scheduled)
+        num_tokens = int(cu_num_tokens[-1])
+        if num_tokens > self.max_num_batched_tokens:
+            raise ValueError(
+                f"{num_tokens} tokens scheduled; allowed range is "
+                f"[1, {self.max_num_batched_tokens}] (max_num_batched_tokens)"
+            )
+        # [2, 5, 3] -> req_indices [0 0 1 1 1 1 1 2 2 2], query_pos [0 1 0 1 2 3 4 0 1 2]
+        req_indices = np.repeat(self.arange_np[:num_reqs], num_scheduled)
+        query_pos = self.arange_np[:num_tokens] - np.repeat(cu_num_tokens - num_scheduled, num_scheduled)
+        positions_np = self.positions.np[:num_tokens]
+        np.add(batch.num_computed_tokens_cpu[req_indices], query_pos, out=positions_np)
+        # Gather input ids from the batch's token table in one index_select.
+        token_indices = torch.from_numpy(positions_np + req_indices * self.max_model_len)
+        torch.index_select(
+            batch.token_ids_cpu.view(-1), 0, token_indices, out=self.input_ids.cpu[:num_tokens]
+        )
+        self.query_start_loc.np[0] = 0
+        self.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens
+        seq_lens_np = self.seq_lens.np[:num_reqs]
+        np.add(batch.num_computed_tokens_cpu[:num_reqs], num_scheduled, out=seq_lens_np)
+
+        batch.block_table.commit(num_reqs)
+        input_ids = self.input_ids.copy_to_device(num_tokens)
+        positions = self.positions.copy_to_device(num_tokens)
+        query_start_loc = self.query_start_loc.copy_to_device(num_reqs + 1)
+        seq_lens = self.seq_lens.copy_to_device(num_reqs)
+        slot_mapping = batch.block_table.compute_slot_mapping(
+            query_start_loc, positions, num_reqs, num_tokens
+        )
+        attn_metadata = AttentionMetadata(
+            num_reqs=num_reqs,
+            num_actual_tokens=num_tokens,
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=int(seq_lens_np.max()),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_table=batch.block_table.get_device_tensor(num_reqs),
+            slot_mapping=slot_mapping,
+        )
+        logits_indices = query_start_loc[1:].to(torch.int64) - 1
+        return _StepInputs(input_ids, positions, attn_metadata, logits_indices, num_scheduled)
+
+    # ----------------------------------------------------------------- execute
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs one step; returns one entry per request in the batch, in row order.
+
+        A request whose prompt is not finished after this step gets ``[]`` (its
+        sample is discarded); the others get their sampled token, which is also
+        appended to the request's token ids.
+        """
+        self._update_states(scheduler_output)
+        num_reqs = self.input_batch.num_reqs
+        if num_reqs == 0 or scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(step_id=scheduler_output.step_id)
+        inputs = self._prepare_inputs(scheduler_output)
+        hidden_states = self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
+        )
+        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        sampling_metadata = self.input_batch.sampling_state.make_sampling_metadata(num_reqs)
+        sampler_output = self.sampler(logits, sampling_metadata)
+        prompt_logprobs = self._compute_prompt_logprobs(hidden_states, inputs)
+        output = self._record_samples(sampler_output)
+        output.prompt_logprobs = prompt_logprobs
+        output.step_id = scheduler_output.step_id
+        return output
+
+    def _record_samples(self, sampler_output: SamplerOutput) -> ModelRunnerOutput:
+        """Appends each sample whose request is past its prompt; the rest are discarded."""
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        sampled = sampler_output.sampled_token_ids.tolist()  # the step's one device sync
+        # seq_lens (computed + scheduled) still holds this step's values.
+        finished_prompt = (self.seq_lens.np[:num_reqs] >= batch.num_tokens[:num_reqs]).tolist()
+        req_ids: list[str] = list(batch.req_ids)  # type: ignore[arg-type]  # dense after condense
+        sampled_token_ids: list[list[int]] = []
+        logprobs: dict[str, Logprobs] = {}
+        has_logprobs = sampler_output.logprobs_tensors is not None
+        for row, req_id in enumerate(req_ids):
+            if not finished_prompt[row]:
+                sampled_token_ids.append([])
+                continue
+            token_id = sampled[row]
+            batch.append_token(row, token_id)
+            sampled_token_ids.append([token_id])
+            num_logprobs = self.requests[req_id].sampling_params.logprobs if has_logprobs else None
+            if num_logprobs is not None:
+                # -1 (whole vocabulary) keeps every column the batch computed.
+                logprobs[req_id] = sampler_output.logprobs_for_row(
+                    row, num_logprobs if num_logprobs >= 0 else None
+                )
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_token_ids, logprobs=logprobs)
+
+    def _compute_prompt_logprobs(
+        self, hidden_states: torch.Tensor, inputs: _StepInputs
+    ) -> dict[str, Logprobs]:
+        """Logprobs of the prompt tokens this step's chunk predicts.
+
+        The hidden state at prompt position ``p`` scores prompt token ``p + 1``,
+        so a chunk covering positions ``[start, end)`` yields rows for prompt
+        tokens ``start + 1 .. min(end, P - 1)``; prompt token 0 has none. Rows
+        already sent (before a preemption) are not sent again.
+        """
+        if not self._prompt_logprobs_req_ids:
+            return {}
+        batch = self.input_batch
+        query_start_loc = self.query_start_loc.np
+        out: dict[str, Logprobs] = {}
+        for req_id in list(self._prompt_logprobs_req_ids):
+            row = batch.req_id_to_index.get(req_id)
+            if row is None:
+                continue
+            state = self.requests[req_id]
+            start = int(batch.num_computed_tokens_cpu[row])
+            chunk_end = start + int(inputs.num_scheduled_tokens[row])
+            last_position = len(state.prompt_token_ids) - 1
+            first = max(start, state.num_prompt_logprobs_sent)
+            end = min(chunk_end, last_position)
+            if end > first:
+                flat_start = int(query_start_loc[row]) + first - start
+                logits = self.model.compute_logits(hidden_states[flat_start : flat_start + end - first])
+                targets = batch.token_ids_cpu[row, first + 1 : end + 1].to(logits.device)
+                out[req_id] = compute_prompt_logprobs(
+                    logits, targets, state.sampling_params.prompt_logprobs
+                )
+                state.num_prompt_logprobs_sent = end
+            if chunk_end >= last_position:
+                self._prompt_logprobs_req_ids.discard(req_id)
+        return out
