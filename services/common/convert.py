@@ -6,7 +6,13 @@ field names. ``to_proto``/``from_proto`` pairs round-trip exactly.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvmesh.v1 import api_pb2
 from kvmesh.v1 import engine_pb2 as pb
+from kvmesh.v1 import scheduler_pb2 as spb
 
 from services.common.engine import (
     EngineCoreOutput,
@@ -22,6 +28,9 @@ from services.common.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
+
+if TYPE_CHECKING:  # the scheduler's stats type; imported for annotations only
+    from services.scheduler.scheduler import SchedulerStats
 
 # ---------------------------------------------------------------- sampling
 
@@ -276,3 +285,124 @@ def model_runner_output_from_proto(msg: pb.ModelRunnerOutput) -> ModelRunnerOutp
         if r.HasField("prompt_logprobs"):
             out.prompt_logprobs[r.req_id] = logprobs_from_proto(r.prompt_logprobs, True)
     return out
+
+
+# ---------------------------------------------------------------- scheduler.proto envelopes
+
+
+@dataclass(slots=True)
+class WorkerRegistration:
+    """What a worker reports when it dials the scheduler (kvmesh.v1.WorkerRegistration)."""
+
+    worker_id: str
+    model: str
+    dtype: str
+    block_size: int
+    num_blocks: int  # includes the null block 0
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+
+
+def add_request_message(r: EngineCoreRequest) -> spb.FrontendMessage:
+    return spb.FrontendMessage(add_request=engine_core_request_to_proto(r))
+
+
+def abort_message(request_ids: Iterable[str]) -> spb.FrontendMessage:
+    return spb.FrontendMessage(abort=spb.AbortRequests(request_ids=list(request_ids)))
+
+
+def frontend_message_from_proto(msg: spb.FrontendMessage) -> EngineCoreRequest | list[str]:
+    """A request to add, or the ids of requests to abort; ValueError for an empty message."""
+    kind = msg.WhichOneof("kind")
+    if kind == "add_request":
+        return engine_core_request_from_proto(msg.add_request)
+    if kind == "abort":
+        return list(msg.abort.request_ids)
+    raise ValueError("FrontendMessage has no kind set, must be add_request or abort")
+
+
+def registration_message(r: WorkerRegistration) -> spb.WorkerMessage:
+    return spb.WorkerMessage(registration=spb.WorkerRegistration(
+        worker_id=r.worker_id,
+        model=r.model,
+        dtype=r.dtype,
+        block_size=r.block_size,
+        num_blocks=r.num_blocks,
+        max_model_len=r.max_model_len,
+        vocab_size=r.vocab_size,
+        eos_token_ids=r.eos_token_ids,
+    ))
+
+
+def runner_output_message(o: ModelRunnerOutput) -> spb.WorkerMessage:
+    return spb.WorkerMessage(output=model_runner_output_to_proto(o))
+
+
+def worker_message_from_proto(msg: spb.WorkerMessage) -> WorkerRegistration | ModelRunnerOutput:
+    """A registration or a step's output; ValueError for an empty message."""
+    kind = msg.WhichOneof("kind")
+    if kind == "output":
+        return model_runner_output_from_proto(msg.output)
+    if kind == "registration":
+        r = msg.registration
+        return WorkerRegistration(
+            worker_id=r.worker_id,
+            model=r.model,
+            dtype=r.dtype,
+            block_size=r.block_size,
+            num_blocks=r.num_blocks,
+            max_model_len=r.max_model_len,
+            vocab_size=r.vocab_size,
+            eos_token_ids=list(r.eos_token_ids),
+        )
+    raise ValueError("WorkerMessage has no kind set, must be registration or output")
+
+
+def registered_message(engine_index: int) -> spb.SchedulerMessage:
+    return spb.SchedulerMessage(registered=spb.RegistrationAck(engine_index=engine_index))
+
+
+def step_message(s: SchedulerOutput) -> spb.SchedulerMessage:
+    return spb.SchedulerMessage(step=scheduler_output_to_proto(s))
+
+
+def drain_message() -> spb.SchedulerMessage:
+    return spb.SchedulerMessage(drain=spb.Drain())
+
+
+def registration_ack_from_proto(msg: spb.SchedulerMessage) -> int:
+    """The engine index the scheduler gave this worker; ValueError if ``msg`` is no ack."""
+    if msg.WhichOneof("kind") != "registered":
+        raise ValueError(f"expected a registration ack, got {msg.WhichOneof('kind')!r}")
+    return msg.registered.engine_index
+
+
+def scheduler_message_from_proto(msg: spb.SchedulerMessage) -> SchedulerOutput | None:
+    """A step to run, or None for Drain; ValueError for anything else."""
+    kind = msg.WhichOneof("kind")
+    if kind == "step":
+        return scheduler_output_from_proto(msg.step)
+    if kind == "drain":
+        return None
+    raise ValueError(f"expected a step or drain, got {kind!r}")
+
+
+def worker_stats_to_proto(worker_id: str, s: SchedulerStats) -> api_pb2.WorkerStats:
+    return api_pb2.WorkerStats(
+        worker_id=worker_id,
+        num_total_blocks=s.num_total_blocks,
+        num_free_blocks=s.num_free_blocks,
+        num_cached_blocks=s.num_cached_blocks,
+        num_running_reqs=s.num_running_reqs,
+        num_waiting_reqs=s.num_waiting_reqs,
+        prefix_cache_hit_rate=s.prefix_cache_hit_rate,
+        prefix_cache_queries=s.prefix_cache_queries,
+        prefix_cache_hits=s.prefix_cache_hits,
+    )
+
+
+def cluster_stats_to_proto(per_worker: Iterable[tuple[str, SchedulerStats]]) -> api_pb2.ClusterStats:
+    return api_pb2.ClusterStats(
+        workers=[worker_stats_to_proto(worker_id, s) for worker_id, s in per_worker]
+    )

@@ -1,0 +1,322 @@
+"""The engine core's cluster state: frontend connections, worker sessions, placement, failover.
+
+Everything runs on one asyncio event loop, so no locks: state changes only
+between awaits. The gRPC plumbing is in ``servicer.py``; this module knows
+nothing about gRPC beyond status code values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpc
+import redis
+
+from services.common.convert import WorkerRegistration
+from services.common.engine import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+)
+from services.common.model_files import DEFAULT_MODEL_NAME
+from services.scheduler.request import BlockHasher, Request
+from services.scheduler.router import RequestFactory, Router
+from services.scheduler.scheduler import Scheduler, SchedulerStats, WaitingQueueFullError
+from services.scheduler.worker_session import WorkerSession
+from services.scheduler.worker_stores import WorkerStores
+
+if TYPE_CHECKING:
+    from services.scheduler.server import SchedulerServiceConfig
+
+logger = logging.getLogger(__name__)
+
+
+class RegistrationError(Exception):
+    """A worker's registration was refused; ``code`` is the gRPC status to end its stream with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(slots=True, eq=False)
+class ClientStream:
+    """One frontend connection: its outgoing outputs and the requests it has in flight.
+
+    None in ``outputs`` ends the stream. After the frontend half-closes
+    (``closing``), the stream ends once its last request finished.
+    """
+
+    client_index: int
+    outputs: asyncio.Queue[EngineCoreOutputs | None] = field(default_factory=asyncio.Queue)
+    request_ids: set[str] = field(default_factory=set)
+    closing: bool = False
+
+    def end_if_done(self) -> None:
+        if self.closing and not self.request_ids:
+            self.outputs.put_nowait(None)
+
+
+@dataclass(slots=True, eq=False)
+class Placement:
+    """Where a request runs and which frontend connection waits for it."""
+
+    session: WorkerSession
+    client: ClientStream
+
+
+def normalize_model_name(model: str | None) -> str | None:
+    """The default model's aliases ("default", None on the worker side) name it the same way."""
+    return DEFAULT_MODEL_NAME if model == "default" else model
+
+
+class EngineCore:
+    """Routes requests from frontends to worker sessions and outputs back.
+
+    - A new request goes to the best-ranked worker (``Router``); a worker whose
+      waiting queue is full is skipped; none left -> RESOURCE_EXHAUSTED (8),
+      no worker at all -> UNAVAILABLE (14). Refusals are EngineCoreOutputs with
+      finish_reason ABORT and ``status_code`` set.
+    - A frontend that disconnects has all its requests aborted.
+    - A worker that is lost has its unfinished requests re-placed on the
+      others as fresh requests carrying the tokens generated so far, which the
+      new worker recomputes; the client's stream just continues.
+    """
+
+    def __init__(self, config: SchedulerServiceConfig) -> None:
+        self.config = config
+        self.model = normalize_model_name(config.model)  # None: the first worker's
+        self.router = Router(config.load_weight_tokens)
+        self.stores = WorkerStores(config.redis_url)
+        self.sessions: dict[str, WorkerSession] = {}
+        self.clients: dict[int, ClientStream] = {}
+        self.placements: dict[str, Placement] = {}  # by request id
+        self.draining = False
+        self._next_client_index = 0
+        self._next_engine_index = 0
+
+    # ------------------------------------------------------------ frontends
+
+    def connect_client(self) -> ClientStream:
+        client = ClientStream(self._next_client_index)
+        self._next_client_index += 1
+        self.clients[client.client_index] = client
+        logger.info("event=frontend_connected client_index=%d", client.client_index)
+        return client
+
+    def disconnect_client(self, client: ClientStream) -> None:
+        """Aborts everything the frontend still had in flight."""
+        if self.clients.pop(client.client_index, None) is None:
+            return
+        logger.info("event=frontend_disconnected client_index=%d num_aborted=%d",
+                    client.client_index, len(client.request_ids))
+        self.abort_requests(list(client.request_ids))
+
+    def add_request(self, client: ClientStream, request: EngineCoreRequest) -> None:
+        """Places a request from ``client``; refusals come back on the client's stream."""
+        req_id = request.request_id
+        # Outputs route by the connection, whatever index the frontend wrote.
+        request.client_index = client.client_index
+        if self.draining or not self.sessions:
+            why = "the scheduler is shutting down" if self.draining else "no worker is registered"
+            self._refuse(client, req_id, grpc.StatusCode.UNAVAILABLE, why)
+        elif req_id in self.placements:
+            self._refuse(client, req_id, grpc.StatusCode.INVALID_ARGUMENT,
+                         f"request id {req_id!r} is already in flight")
+        elif not request.prompt_token_ids:
+            self._refuse(client, req_id, grpc.StatusCode.INVALID_ARGUMENT,
+                         "prompt_token_ids is empty, needs >= 1 token")
+        else:
+            self._place(client, req_id, lambda hasher: Request.from_engine_core_request(request, hasher))
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Aborts wherever the requests run; unknown or finished ids are ignored."""
+        by_session: dict[WorkerSession, list[str]] = {}
+        for req_id in request_ids:
+            placement = self.placements.pop(req_id, None)
+            if placement is None:
+                continue
+            by_session.setdefault(placement.session, []).append(req_id)
+            placement.client.request_ids.discard(req_id)
+            placement.client.end_if_done()
+        for session, req_ids in by_session.items():
+            session.abort_requests(req_ids)
+            logger.info("event=requests_aborted worker=%s request_ids=%s",
+                        session.worker_id, ",".join(req_ids))
+
+    def client_half_closed(self, client: ClientStream) -> None:
+        client.closing = True
+        client.end_if_done()
+
+    # ------------------------------------------------------------ placement
+
+    def _place(self, client: ClientStream, req_id: str, make_request: RequestFactory) -> None:
+        full: list[str] = []
+        for session, request in self.router.rank(make_request, self.sessions.values()):
+            try:
+                session.add_request(request)
+            except WaitingQueueFullError as e:
+                full.append(f"{session.worker_id}: {e}")
+                continue
+            except ValueError as e:
+                self._refuse(client, req_id, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                return
+            self.placements[req_id] = Placement(session, client)
+            client.request_ids.add(req_id)
+            logger.info("event=request_placed request_id=%s worker=%s num_tokens=%d",
+                        req_id, session.worker_id, request.num_tokens)
+            return
+        self._refuse(client, req_id, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                     "every worker's waiting queue is full (" + "; ".join(full) + ")")
+
+    def _refuse(self, client: ClientStream, req_id: str, code: grpc.StatusCode, message: str) -> None:
+        logger.info("event=request_refused request_id=%s status=%s reason=%r",
+                    req_id, code.name, message)
+        output = EngineCoreOutput(req_id, [], finish_reason=FinishReason.ABORT,
+                                  finish_message=message, status_code=code.value[0])
+        client.outputs.put_nowait(EngineCoreOutputs([output], timestamp=time.monotonic()))
+        client.end_if_done()
+
+    def route_outputs(self, session: WorkerSession, outputs: dict[int, EngineCoreOutputs]) -> None:
+        """A session's step outputs, to the frontends that sent the requests."""
+        placements = self.placements
+        for client_index, client_outputs in outputs.items():
+            for output in client_outputs.outputs:
+                if output.finish_reason is not None:
+                    placement = placements.get(output.request_id)
+                    if placement is not None and placement.session is session:
+                        del placements[output.request_id]
+                        placement.client.request_ids.discard(output.request_id)
+                    logger.info("event=request_finished request_id=%s worker=%s finish_reason=%s",
+                                output.request_id, session.worker_id, output.finish_reason)
+            client = self.clients.get(client_index)
+            if client is not None:  # else: it disconnected and its requests were aborted
+                client.outputs.put_nowait(client_outputs)
+                client.end_if_done()
+
+    # ------------------------------------------------------------ workers
+
+    def register_worker(self, registration: WorkerRegistration, kv_cache_id: str) -> WorkerSession:
+        """Builds the worker's session: a Scheduler sized by what it reported.
+
+        Raises RegistrationError while draining (UNAVAILABLE), for a duplicate
+        worker id (ALREADY_EXISTS), another model than the cluster serves
+        (FAILED_PRECONDITION) or a bad geometry (INVALID_ARGUMENT).
+        """
+        worker_id = registration.worker_id
+        model = normalize_model_name(registration.model)
+        if self.draining:
+            raise RegistrationError(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
+        if not worker_id:
+            raise RegistrationError(grpc.StatusCode.INVALID_ARGUMENT, "worker_id is empty")
+        if worker_id in self.sessions:
+            raise RegistrationError(grpc.StatusCode.ALREADY_EXISTS,
+                                    f"worker_id {worker_id!r} is already registered")
+        if self.model is not None and model != self.model:
+            raise RegistrationError(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"worker serves model {model!r}, this scheduler serves {self.model!r}")
+        engine_index = self._next_engine_index
+        try:
+            config = self.config.scheduler_config(registration, engine_index)
+        except ValueError as e:
+            raise RegistrationError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        try:
+            store = self.stores.open(model, worker_id, kv_cache_id, config.num_blocks, config.block_size)
+            scheduler = Scheduler(config, store)  # recovers the stored prefix cache
+            self.stores.mark_trusted(model, worker_id, store, kv_cache_id)
+        except redis.RedisError as e:
+            raise RegistrationError(grpc.StatusCode.UNAVAILABLE, f"the KV store is unreachable: {e}") from e
+        self.model = model
+        self._next_engine_index += 1
+        session = WorkerSession(worker_id, engine_index, scheduler, store, self.route_outputs)
+        self.sessions[worker_id] = session
+        session.start(on_failure=self._on_session_failure)
+        logger.info("event=worker_registered worker=%s engine_index=%d num_blocks=%d "
+                    "block_size=%d max_model_len=%d num_cached_blocks=%d", worker_id, engine_index,
+                    config.num_blocks, config.block_size, config.max_model_len,
+                    scheduler.kv_cache_manager.num_cached_blocks)
+        return session
+
+    def remove_worker(self, session: WorkerSession, reason: str) -> None:
+        """Ends the session and re-places its unfinished requests. Idempotent."""
+        if self.sessions.get(session.worker_id) is not session:
+            return
+        del self.sessions[session.worker_id]
+        trusted = not session.step_in_flight
+        session.close()
+        orphans = session.unfinished_requests()
+        assert self.model is not None  # set by the session's registration
+        self.stores.release(self.model, session.worker_id, session.store, trusted=trusted)
+        logger.info("event=worker_removed worker=%s reason=%r num_requeued=%d",
+                    session.worker_id, reason, len(orphans))
+        for old in orphans:
+            placement = self.placements.pop(old.request_id, None)
+            if placement is None:
+                continue
+            client = placement.client
+            client.request_ids.discard(old.request_id)
+            if self.draining or not self.sessions:
+                why = ("the scheduler is shutting down" if self.draining
+                       else f"worker {session.worker_id} was lost and no worker is left")
+                self._refuse(client, old.request_id, grpc.StatusCode.UNAVAILABLE, why)
+            else:
+                self._place(client, old.request_id, _requeued(old))
+        # Requests it had refused (IGNORED) but not yet reported: say so now.
+        for req_id in [r for r, p in self.placements.items() if p.session is session]:
+            placement = self.placements.pop(req_id)
+            placement.client.request_ids.discard(req_id)
+            self._refuse(placement.client, req_id, grpc.StatusCode.UNAVAILABLE,
+                         f"worker {session.worker_id} was lost before answering")
+
+    def _on_session_failure(self, session: WorkerSession, error: BaseException) -> None:
+        logger.error("event=worker_session_failed worker=%s error=%r", session.worker_id, error,
+                     exc_info=error)
+        self.remove_worker(session, f"session failed: {error!r}")
+
+    def stop_accepting(self) -> None:
+        """From now on new requests and registrations are refused with UNAVAILABLE."""
+        self.draining = True
+
+    def drain_workers(self) -> None:
+        """Asks every worker to leave; what they still run is refused with UNAVAILABLE."""
+        self.stop_accepting()
+        for session in self.sessions.values():
+            session.drain()
+
+    # ------------------------------------------------------------ stats
+
+    def stats(self) -> list[tuple[str, SchedulerStats]]:
+        return [(worker_id, s.scheduler.make_stats()) for worker_id, s in self.sessions.items()]
+
+
+def _requeued(old: Request) -> RequestFactory:
+    """A fresh Request from a lost worker's one: same prompt, outputs so far kept.
+
+    The new worker recomputes prompt + outputs and continues; ``max_tokens``
+    and ``min_tokens`` keep counting the kept outputs, so the client sees one
+    uninterrupted stream.
+    """
+
+    def make(hasher: BlockHasher | None) -> Request:
+        request = Request(
+            old.request_id,
+            old.prompt_token_ids,
+            old.sampling_params,
+            eos_token_id=old.eos_token_id,
+            arrival_time=old.arrival_time,
+            priority=old.priority,
+            cache_salt=old.cache_salt,
+            client_index=old.client_index,
+            block_hasher=hasher,
+        )
+        if old.output_token_ids:
+            request.append_output_token_ids(list(old.output_token_ids))
+        return request
+
+    return make

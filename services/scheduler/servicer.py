@@ -1,0 +1,126 @@
+"""gRPC plumbing of kvmesh.v1.EngineCore: streams in and out of the EngineCore state.
+
+Each bidi stream has one reader task (messages in) and the handler itself
+writing (messages out of a queue), so reads and writes never block each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvmesh.v1 import api_pb2, engine_pb2, scheduler_pb2_grpc
+from kvmesh.v1 import scheduler_pb2 as spb
+from services.common.convert import (
+    WorkerRegistration,
+    cluster_stats_to_proto,
+    engine_core_outputs_to_proto,
+    frontend_message_from_proto,
+    worker_message_from_proto,
+)
+from services.common.engine import EngineCoreRequest
+from services.common.outputs import ModelRunnerOutput
+from services.scheduler.engine_core import ClientStream, EngineCore, RegistrationError
+from services.scheduler.worker_session import WorkerProtocolError, WorkerSession
+
+logger = logging.getLogger(__name__)
+
+# Invocation metadata a worker sends with WorkerStream: the id of its KV cache
+# allocation (see worker_stores.py). Not a proto field because it describes
+# the connection's peer, not a message.
+KV_CACHE_ID_METADATA_KEY = "kvmesh-kv-cache-id"
+
+
+class EngineCoreServicer(scheduler_pb2_grpc.EngineCoreServicer):
+    def __init__(self, engine: EngineCore) -> None:
+        self.engine = engine
+
+    # ------------------------------------------------------------ frontends
+
+    async def FrontendStream(
+        self, request_iterator: AsyncIterator[spb.FrontendMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.EngineCoreOutputs]:
+        client = self.engine.connect_client()
+        reader = asyncio.create_task(self._read_frontend(client, request_iterator))
+        try:
+            while (outputs := await client.outputs.get()) is not None:
+                yield engine_core_outputs_to_proto(outputs)
+        finally:
+            reader.cancel()
+            self.engine.disconnect_client(client)
+        if reader.done() and not reader.cancelled() and reader.exception() is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(reader.exception()))
+
+    async def _read_frontend(
+        self, client: ClientStream, request_iterator: AsyncIterator[spb.FrontendMessage]
+    ) -> None:
+        try:
+            async for message in request_iterator:
+                item = frontend_message_from_proto(message)
+                if isinstance(item, EngineCoreRequest):
+                    self.engine.add_request(client, item)
+                else:
+                    self.engine.abort_requests(item)
+        except ValueError:
+            client.outputs.put_nowait(None)  # the handler ends the call with the error
+            raise
+        self.engine.client_half_closed(client)
+
+    # ------------------------------------------------------------ workers
+
+    async def WorkerStream(
+        self, request_iterator: AsyncIterator[spb.WorkerMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[spb.SchedulerMessage]:
+        first = await anext(aiter(request_iterator), None)
+        try:
+            registration = worker_message_from_proto(first) if first is not None else None
+        except ValueError:
+            registration = None
+        if not isinstance(registration, WorkerRegistration):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "the first WorkerMessage must be a registration")
+        metadata = dict(context.invocation_metadata() or ())
+        kv_cache_id = str(metadata.get(KV_CACHE_ID_METADATA_KEY, ""))
+        try:
+            session = self.engine.register_worker(registration, kv_cache_id)
+        except RegistrationError as e:
+            logger.warning("event=worker_refused worker=%s status=%s reason=%r",
+                           registration.worker_id, e.code.name, str(e))
+            await context.abort(e.code, str(e))
+        reader = asyncio.create_task(self._read_worker(session, request_iterator))
+        reason = "stream ended"
+        try:
+            while (message := await session.outbox.get()) is not None:
+                yield message
+        except asyncio.CancelledError:
+            reason = "stream cancelled"
+            raise
+        finally:
+            reader.cancel()
+            self.engine.remove_worker(session, reason)
+
+    async def _read_worker(
+        self, session: WorkerSession, request_iterator: AsyncIterator[spb.WorkerMessage]
+    ) -> None:
+        reason = "worker closed its stream"
+        try:
+            async for message in request_iterator:
+                output = worker_message_from_proto(message)
+                if not isinstance(output, ModelRunnerOutput):
+                    raise WorkerProtocolError(f"worker {session.worker_id} registered twice")
+                session.on_runner_output(output)
+        except (WorkerProtocolError, ValueError) as e:
+            reason = str(e)
+        except grpc.RpcError as e:
+            reason = f"stream broke: {e}"
+        self.engine.remove_worker(session, reason)
+
+    # ------------------------------------------------------------ stats
+
+    async def GetStats(
+        self, request: api_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> api_pb2.ClusterStats:
+        return cluster_stats_to_proto(self.engine.stats())

@@ -1,0 +1,151 @@
+"""One registered worker: its own Scheduler (block pool) and the loop that drives it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+
+from kvmesh.v1 import scheduler_pb2 as spb
+from services.common.convert import drain_message, registered_message, step_message
+from services.common.engine import EngineCoreOutputs
+from services.common.outputs import ModelRunnerOutput
+from services.common.scheduler_output import SchedulerOutput
+from services.scheduler.kv_store import KVStore
+from services.scheduler.request import Request, RequestStatus
+from services.scheduler.scheduler import Scheduler
+
+
+class WorkerProtocolError(RuntimeError):
+    """The worker sent something the step protocol does not allow."""
+
+
+# Called with each step's outputs, keyed by client index.
+OutputsCallback = Callable[["WorkerSession", dict[int, EngineCoreOutputs]], None]
+
+
+class WorkerSession:
+    """Drives one worker: wait for work -> schedule -> step -> update -> route.
+
+    One asyncio task per session. Exactly one step is in flight at a time: the
+    next ``schedule()`` waits for the worker's output of the previous step, so
+    blocks freed by an abort are never reused while the worker may still
+    write them. When there is nothing to do the loop sleeps on an event that
+    ``add_request`` / ``abort_requests`` set (no polling).
+
+    Messages for the worker go through ``outbox`` (the WorkerStream handler
+    sends them); None there ends the stream.
+    """
+
+    def __init__(self, worker_id: str, engine_index: int, scheduler: Scheduler,
+                 store: KVStore, on_outputs: OutputsCallback) -> None:
+        self.worker_id = worker_id
+        self.engine_index = engine_index
+        self.scheduler = scheduler
+        self.store = store
+        self.outbox: asyncio.Queue[spb.SchedulerMessage | None] = asyncio.Queue()
+        self.outbox.put_nowait(registered_message(engine_index))
+        self._on_outputs = on_outputs
+        self._wakeup = asyncio.Event()
+        self._pending_step_id = 0
+        self._pending_output: asyncio.Future[ModelRunnerOutput] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._draining = False
+        self.closed = False
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self, on_failure: Callable[[WorkerSession, BaseException], None]) -> None:
+        """Starts the step loop; ``on_failure`` runs if it dies of an error."""
+        self._task = asyncio.create_task(self._run(), name=f"worker-session-{self.worker_id}")
+
+        def done(task: asyncio.Task[None]) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                on_failure(self, task.exception())
+
+        self._task.add_done_callback(done)
+
+    @property
+    def step_in_flight(self) -> bool:
+        return self._pending_output is not None
+
+    def close(self) -> None:
+        """Stops the loop and ends the worker's stream. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._task is not None:
+            self._task.cancel()
+        self.outbox.put_nowait(None)
+
+    def drain(self) -> None:
+        """Stops stepping; the worker is told to leave once it answered the step in flight."""
+        self._draining = True
+        self._wakeup.set()
+
+    # ------------------------------------------------------------ requests
+
+    def add_request(self, request: Request) -> None:
+        """Queues a request built with this worker's block hasher.
+
+        Raises what ``Scheduler.add_request`` raises (WaitingQueueFullError,
+        ValueError), in which case nothing changed.
+        """
+        self.scheduler.add_request(request)
+        self._wakeup.set()
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Frees the requests' blocks; the worker drops them with the next step."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self._wakeup.set()
+
+    def unfinished_requests(self) -> list[Request]:
+        """Requests still waiting or running here, in (priority, arrival) order."""
+        return sorted(self.scheduler.requests.values())
+
+    def on_runner_output(self, output: ModelRunnerOutput) -> None:
+        """Hands the worker's output to the loop; it must answer the step in flight."""
+        future = self._pending_output
+        if future is None or output.step_id != self._pending_step_id:
+            raise WorkerProtocolError(
+                f"worker {self.worker_id} answered step {output.step_id}, "
+                f"step in flight is {self._pending_step_id if future else 'none'}"
+            )
+        self._pending_output = None
+        future.set_result(output)
+
+    # ------------------------------------------------------------ loop
+
+    async def _run(self) -> None:
+        scheduler = self.scheduler
+        while not self._draining:
+            # Cleared before looking at the queues: whatever arrives from here
+            # on sets it again, so no wakeup is lost.
+            self._wakeup.clear()
+            if not scheduler.has_requests():
+                await self._wakeup.wait()
+                continue
+            scheduler_output = scheduler.schedule()
+            if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids:
+                runner_output = await self._execute(scheduler_output)
+            else:
+                # Nothing to compute: flush outputs of requests that finished
+                # outside a step (IGNORED) without a round trip to the worker.
+                runner_output = ModelRunnerOutput(step_id=scheduler_output.step_id)
+            outputs = scheduler.update_from_output(scheduler_output, runner_output)
+            if outputs:
+                self._on_outputs(self, outputs)
+            if not scheduler_output.total_num_scheduled_tokens:
+                # Nothing was schedulable: only a new request or an abort can
+                # change that, so sleep until one arrives instead of spinning.
+                await self._wakeup.wait()
+        self.outbox.put_nowait(drain_message())
+
+    async def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        future: asyncio.Future[ModelRunnerOutput] = asyncio.get_running_loop().create_future()
+        self._pending_step_id = scheduler_output.step_id
+        self._pending_output = future
+        self.outbox.put_nowait(step_message(scheduler_output))
+        try:
+            return await future
+        finally:
+            self._pending_output = None

@@ -1,0 +1,378 @@
+"""The worker service: loads the model, dials the scheduler, and runs the steps it is sent.
+
+``python -m services.worker.server --scheduler-address HOST:PORT --model M --health-port P``
+
+Order matters: the model is loaded and the KV cache sized FIRST, because the
+registration carries the number of KV blocks. Then the worker dials the
+scheduler (waiting for it to come up), registers, and answers each
+SchedulerOutput with a ModelRunnerOutput; the model runs in a thread so the
+event loop keeps serving keepalives and health checks meanwhile. If the
+scheduler goes away the worker forgets its requests, keeps its KV memory, and
+dials again; it exits on Drain or SIGTERM / SIGINT (after the step in flight).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import uuid
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvmesh.v1 import scheduler_pb2_grpc
+from services.common.convert import (
+    WorkerRegistration,
+    registration_ack_from_proto,
+    registration_message,
+    runner_output_message,
+    scheduler_message_from_proto,
+)
+from services.common.scheduler_output import SchedulerOutput
+from services.worker.sample import ThinkingConfig
+from services.worker.worker import Worker, WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Must match services.scheduler.servicer.KV_CACHE_ID_METADATA_KEY.
+KV_CACHE_ID_METADATA_KEY = "kvmesh-kv-cache-id"
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # A step can take long on a CPU; pings keep the stream known-alive meanwhile.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    # Redial a restarted scheduler within ~2 s instead of grpc's default 120 s cap.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+)
+# Status codes of a refused registration worth retrying: the scheduler is
+# restarting or draining, or it has not yet noticed our previous stream died.
+_RETRYABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ALREADY_EXISTS,
+                    grpc.StatusCode.CANCELLED)
+_MIN_BACKOFF_S = 0.1
+_MAX_BACKOFF_S = 2.0
+_CLOSE_TIMEOUT_S = 5.0
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(slots=True, kw_only=True)
+class WorkerServiceConfig:
+    """Where the scheduler is, who this worker is, and how it runs its model.
+
+    ``health_port`` None serves no health endpoint; 0 picks a free port
+    (``WorkerService.health_port`` tells which). ``connect_timeout_s`` None
+    waits for the scheduler forever.
+    """
+
+    scheduler_address: str = "127.0.0.1:50052"
+    worker_id: str = field(default_factory=default_worker_id)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    health_host: str = "127.0.0.1"
+    health_port: int | None = None
+    connect_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            raise ValueError("worker_id is empty, must be a non-empty string")
+        if self.health_port is not None and not 0 <= self.health_port <= 65535:
+            raise ValueError(f"health_port is {self.health_port}, must be in [0, 65535]")
+
+
+class _Stopped(Exception):
+    """stop() was called while waiting."""
+
+
+class _SchedulerLost(Exception):
+    """The scheduler ended the stream without a Drain."""
+
+
+class WorkerService:
+    """One worker process's service loop (``run``) and health endpoint."""
+
+    def __init__(self, config: WorkerServiceConfig) -> None:
+        self.config = config
+        self.worker = Worker(config.worker)
+        # Names this process's KV cache allocation: the scheduler trusts its
+        # stored prefix index only for the cache it was built for.
+        self.kv_cache_id = ""
+        self.engine_index: int | None = None
+        self.health = health.aio.HealthServicer()
+        self.health_port = 0
+        self._stop = asyncio.Event()
+        self._stop_waiter: asyncio.Future[bool] | None = None
+
+    def stop(self) -> None:
+        """Leave the scheduler after answering the step in flight, then return from run()."""
+        self._stop.set()
+
+    async def run(self) -> None:
+        """Loads, registers and serves steps until Drain or stop()."""
+        health_server = await self._start_health_server()
+        self._stop_waiter = asyncio.ensure_future(self._stop.wait())
+        try:
+            logger.info("event=worker_loading worker=%s model=%s", self.config.worker_id,
+                        self.config.worker.model)
+            num_blocks = await asyncio.to_thread(self._load)
+            logger.info("event=worker_loaded worker=%s num_blocks=%d", self.config.worker_id, num_blocks)
+            async with grpc.aio.insecure_channel(self.config.scheduler_address,
+                                                 options=CHANNEL_OPTIONS) as channel:
+                await self._serve(scheduler_pb2_grpc.EngineCoreStub(channel))
+        except Exception as e:
+            logger.error("event=worker_failed worker=%s error=%r", self.config.worker_id, e)
+            raise
+        finally:
+            self._stop_waiter.cancel()
+            if health_server is not None:
+                await health_server.stop(None)
+        logger.info("event=worker_stopped worker=%s", self.config.worker_id)
+
+    def _load(self) -> int:
+        self.worker.load_model()
+        num_blocks = self.worker.initialize_kv_cache()
+        self.kv_cache_id = uuid.uuid4().hex
+        return num_blocks
+
+    async def _start_health_server(self) -> grpc.aio.Server | None:
+        if self.config.health_port is None:
+            return None
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection((health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        self.health_port = server.add_insecure_port(f"{self.config.health_host}:{self.config.health_port}")
+        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.start()
+        return server
+
+    # ------------------------------------------------------------ scheduler
+
+    async def _serve(self, stub: scheduler_pb2_grpc.EngineCoreStub) -> None:
+        """Registers and serves steps; dials again whenever the scheduler goes away."""
+        backoff_s = _MIN_BACKOFF_S
+        while not self._stop.is_set():
+            registered = await self._session(stub)
+            if registered is None:
+                return  # drained or stopped
+            await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            self._forget_requests()
+            backoff_s = _MIN_BACKOFF_S if registered else min(backoff_s * 2, _MAX_BACKOFF_S)
+            try:
+                await self._until_stopped(asyncio.sleep(backoff_s))
+            except _Stopped:
+                return
+
+    async def _session(self, stub: scheduler_pb2_grpc.EngineCoreStub) -> bool | None:
+        """One WorkerStream. None: leave for good (Drain or stop); else whether it had registered."""
+        call = stub.WorkerStream(metadata=((KV_CACHE_ID_METADATA_KEY, self.kv_cache_id),),
+                                 wait_for_ready=True)
+        assert self._stop_waiter is not None, "only inside run()"
+        # Cancelling a pending read would cancel the whole call, so on stop()
+        # the read stays pending and _close finishes it after half-closing.
+        pending_read: asyncio.Future | None = None
+        registered = False
+        try:
+            await self._until_stopped(self._register(call), self.config.connect_timeout_s)
+            registered = True
+            await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+            while True:
+                pending_read = asyncio.ensure_future(call.read())
+                await asyncio.wait((pending_read, self._stop_waiter),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if not pending_read.done():
+                    return None  # stop(): leave between steps
+                message, pending_read = pending_read.result(), None
+                if message is grpc.aio.EOF:
+                    raise _SchedulerLost("the scheduler ended the stream")
+                scheduler_output = scheduler_message_from_proto(message)
+                if scheduler_output is None:
+                    logger.info("event=worker_drained worker=%s", self.config.worker_id)
+                    return None
+                runner_output = await asyncio.to_thread(self.worker.execute_model, scheduler_output)
+                try:
+                    await call.write(runner_output_message(runner_output))
+                except asyncio.InvalidStateError as e:
+                    # The scheduler ended the RPC while the step ran.
+                    raise _SchedulerLost("the stream finished during a step") from e
+        except _Stopped:
+            return None
+        except _SchedulerLost as e:
+            logger.warning("event=scheduler_lost worker=%s reason=%r", self.config.worker_id, str(e))
+            return registered
+        except grpc.aio.AioRpcError as e:
+            if e.code() not in _RETRYABLE_CODES:
+                raise
+            logger.warning("event=scheduler_lost worker=%s status=%s details=%r",
+                           self.config.worker_id, e.code().name, e.details())
+            return registered
+        finally:
+            if registered:
+                await _close(call, pending_read)
+            else:  # never got through: nothing to close cleanly
+                call.cancel()
+
+    async def _register(self, call: grpc.aio.StreamStreamCall) -> None:
+        info = self.worker.registration_info()
+        await call.write(registration_message(WorkerRegistration(
+            worker_id=self.config.worker_id,
+            model=info.model_name,
+            dtype=info.dtype,
+            block_size=info.block_size,
+            num_blocks=info.num_blocks,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            eos_token_ids=info.eos_token_ids,
+        )))
+        ack = await call.read()
+        if ack is grpc.aio.EOF:
+            raise _SchedulerLost("the scheduler ended the stream before acknowledging")
+        self.engine_index = registration_ack_from_proto(ack)
+        logger.info("event=worker_registered worker=%s scheduler=%s engine_index=%d",
+                    self.config.worker_id, self.config.scheduler_address, self.engine_index)
+
+    async def _until_stopped(self, awaitable: Awaitable[T], timeout_s: float | None = None) -> T:
+        """Awaits ``awaitable`` unless stop() comes first (then raises _Stopped)."""
+        assert self._stop_waiter is not None, "only inside run()"
+        task = asyncio.ensure_future(awaitable)
+        done, _ = await asyncio.wait((task, self._stop_waiter), timeout=timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        if self._stop_waiter in done:
+            raise _Stopped
+        raise TimeoutError(f"scheduler at {self.config.scheduler_address} did not answer "
+                           f"within connect_timeout_s={timeout_s}")
+
+    def _forget_requests(self) -> None:
+        """Drops every request the lost scheduler placed here; the KV memory stays.
+
+        The next scheduler knows none of them, so a step that lists them all as
+        finished is the worker's own way to clear its persistent batch.
+        """
+        runner = self.worker.model_runner
+        if runner is not None and runner.requests:
+            self.worker.execute_model(SchedulerOutput(finished_req_ids=set(runner.requests)))
+
+
+async def _close(call: grpc.aio.StreamStreamCall, pending_read: asyncio.Future | None) -> None:
+    """Half-closes our side so the scheduler sees a clean end, then lets go of the call."""
+    try:
+        if not call.done():
+            await call.done_writing()
+            # The call only completes once every message sent to us was read.
+            await asyncio.wait_for(_read_to_end(call, pending_read), _CLOSE_TIMEOUT_S)
+    except (TimeoutError, grpc.aio.AioRpcError):
+        pass
+    finally:
+        call.cancel()
+
+
+async def _read_to_end(call: grpc.aio.StreamStreamCall, pending_read: asyncio.Future | None) -> None:
+    if pending_read is not None and await pending_read is grpc.aio.EOF:
+        return
+    while await call.read() is not grpc.aio.EOF:
+        pass
+
+
+async def run_worker(config: WorkerServiceConfig) -> None:
+    """Runs a worker until the scheduler drains it; SIGTERM/SIGINT stop it cleanly
+    (when called from the main thread)."""
+    service = WorkerService(config)
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    try:
+        for sig in signals:
+            loop.add_signal_handler(sig, service.stop)
+    except (RuntimeError, ValueError):  # not the main thread: the caller stops us
+        signals = ()
+    try:
+        await service.run()
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[WorkerServiceConfig, argparse.Namespace]:
+    d = WorkerConfig()
+    p = argparse.ArgumentParser(prog="python -m services.worker.server", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scheduler-address", default="127.0.0.1:50052")
+    p.add_argument("--worker-id", default=None, help="default: hostname-pid")
+    p.add_argument("--health-host", default="127.0.0.1")
+    p.add_argument("--health-port", type=int, default=None, help="0 picks a free port")
+    p.add_argument("--connect-timeout-s", type=float, default=None, help="default: wait forever")
+    p.add_argument("--model", default=d.model, help="HF directory or .gguf; default SmolLM2")
+    p.add_argument("--dtype", default=d.dtype)
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_gib)
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--logits-processors", nargs="*", default=[])
+    p.add_argument("--think-start-token-ids", type=int, nargs="+", default=None)
+    p.add_argument("--think-end-token-ids", type=int, nargs="+", default=None)
+    p.add_argument("--num-threads", type=int, default=d.num_threads)
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    thinking = None
+    if args.think_start_token_ids or args.think_end_token_ids:
+        thinking = ThinkingConfig(tuple(args.think_start_token_ids or ()),
+                                  tuple(args.think_end_token_ids or ()))
+    worker = WorkerConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_gib=args.kv_cache_gib,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        logits_processors=args.logits_processors,
+        thinking=thinking,
+        num_threads=args.num_threads,
+    )
+    config = WorkerServiceConfig(
+        scheduler_address=args.scheduler_address,
+        worker_id=args.worker_id or default_worker_id(),
+        worker=worker,
+        health_host=args.health_host,
+        health_port=args.health_port,
+        connect_timeout_s=args.connect_timeout_s,
+    )
+    return config, args
+
+
+def main(argv: list[str] | None = None) -> None:
+    config, args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    asyncio.run(run_worker(config))
+
+
+if __name__ == "__main__":
+    main()
