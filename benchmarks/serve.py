@@ -1,0 +1,288 @@
+"""Online serving benchmark (like ``vllm bench serve``), gRPC against in-process.
+
+Sends one workload through a kvmesh cluster's public gRPC API (Generate,
+DELTA streaming) and then the same workload through the offline in-process
+engine (``LLMEngine``: scheduler and worker in this process, no gRPC), and
+prints both tables and the throughput ratio.
+
+Workload: ``--num-prompts`` prompts of random token ids (input and output
+lengths drawn uniformly within ``--range-ratio`` of ``--input-len`` /
+``--output-len``), greedy, ``ignore_eos`` so every request produces exactly
+its output length. Arrivals are a Poisson process at ``--request-rate``
+requests/s (``inf``: all at once), capped at ``--max-concurrency`` requests
+in flight. Reported: request throughput, output tokens/s, total tokens/s and
+TTFT / TPOT / ITL mean, p50, p90, p99.
+
+    .venv/bin/python benchmarks/serve.py --num-prompts 64 --max-concurrency 32 --repeats 3
+    .venv/bin/python benchmarks/serve.py --address 127.0.0.1:50051   # a running cluster
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+from kvmesh.v1 import api_pb2, api_pb2_grpc, engine_pb2
+
+# Token ids drawn for random prompts: past the special tokens, inside the vocab.
+_TOKEN_ID_RANGE = (1000, 40000)
+
+
+@dataclass(slots=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+    arrival_s: float  # offset from the start of the run
+
+
+@dataclass(slots=True)
+class RequestResult:
+    start_s: float
+    token_times_s: list[float] = field(default_factory=list)  # one per chunk with tokens
+    num_output_tokens: int = 0
+    end_s: float = 0.0
+    error: str = ""
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_times_s[0] - self.start_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.num_output_tokens < 2:
+            return None
+        return (self.end_s - self.token_times_s[0]) / (self.num_output_tokens - 1)
+
+    @property
+    def itls_s(self) -> list[float]:
+        return list(np.diff(self.token_times_s))
+
+
+def make_workload(args: argparse.Namespace) -> list[BenchRequest]:
+    rng = random.Random(args.seed)
+
+    def length(mean: int) -> int:
+        low = max(1, math.floor(mean * (1 - args.range_ratio)))
+        return rng.randint(low, max(low, math.ceil(mean * (1 + args.range_ratio))))
+
+    arrival_s = 0.0
+    workload = []
+    for _ in range(args.num_prompts):
+        prompt = [rng.randrange(*_TOKEN_ID_RANGE) for _ in range(length(args.input_len))]
+        workload.append(BenchRequest(prompt, length(args.output_len), arrival_s))
+        if math.isfinite(args.request_rate):
+            arrival_s += rng.expovariate(args.request_rate)
+    return workload
+
+
+# ---------------------------------------------------------------- gRPC
+
+
+async def _grpc_one(stub, request: BenchRequest, index: int) -> RequestResult:
+    params = engine_pb2.SamplingParams(
+        n=1, temperature=0.0, top_p=1.0, repetition_penalty=1.0, max_tokens=request.output_len,
+        ignore_eos=True, detokenize=True, skip_special_tokens=True,
+        output_kind=engine_pb2.DELTA,
+    )
+    message = api_pb2.GenerateRequest(request_id=f"bench-{index}", sampling_params=params)
+    message.token_ids.ids.extend(request.prompt_token_ids)
+    result = RequestResult(start_s=time.perf_counter())
+    try:
+        async for chunk in stub.Generate(message):
+            num_tokens = sum(len(o.token_ids) for o in chunk.outputs)
+            if num_tokens:
+                result.token_times_s.append(time.perf_counter())
+                result.num_output_tokens += num_tokens
+    except grpc.aio.AioRpcError as e:
+        result.error = f"{e.code().name}: {e.details()}"
+    result.end_s = time.perf_counter()
+    return result
+
+
+async def run_grpc(address: str, workload: list[BenchRequest], max_concurrency: int
+                   ) -> tuple[list[RequestResult], float]:
+    semaphore = asyncio.Semaphore(max_concurrency)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = api_pb2_grpc.GenerationStub(channel)
+        await _grpc_one(stub, BenchRequest(workload[0].prompt_token_ids, 2, 0.0), -1)  # warm-up
+        t0 = time.perf_counter()
+
+        async def timed(index: int, request: BenchRequest) -> RequestResult:
+            await asyncio.sleep(max(0.0, t0 + request.arrival_s - time.perf_counter()))
+            async with semaphore:
+                return await _grpc_one(stub, request, index)
+
+        results = await asyncio.gather(*(timed(i, r) for i, r in enumerate(workload)))
+        return list(results), time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------- in-process
+
+
+def run_inprocess(engine, workload: list[BenchRequest], max_concurrency: int
+                  ) -> tuple[list[RequestResult], float]:
+    """The same arrivals through LLMEngine.step(), timing outputs as they come."""
+    from services.common.sampling_params import RequestOutputKind, SamplingParams
+
+    def add(index: int) -> None:
+        request = workload[index]
+        params = SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA)
+        results[index] = RequestResult(start_s=time.perf_counter())
+        engine.add_request(str(index), request.prompt_token_ids, params)
+
+    results: list[RequestResult | None] = [None] * len(workload)
+    next_index = 0
+    t0 = time.perf_counter()
+    while next_index < len(workload) or engine.has_unfinished_requests():
+        now = time.perf_counter() - t0
+        while (next_index < len(workload) and workload[next_index].arrival_s <= now
+               and engine.get_num_unfinished_requests() < max_concurrency):
+            add(next_index)
+            next_index += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, workload[next_index].arrival_s - now))
+            continue
+        for output in engine.step():
+            result = results[int(output.request_id)]
+            num_tokens = sum(len(o.token_ids) for o in output.outputs)
+            if num_tokens:
+                result.token_times_s.append(time.perf_counter())
+                result.num_output_tokens += num_tokens
+            if output.finished:
+                result.end_s = time.perf_counter()
+    return results, time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------- report
+
+
+def summarize(results: list[RequestResult], duration_s: float, workload: list[BenchRequest]
+              ) -> dict[str, float]:
+    ok = [r for r in results if not r.error and r.token_times_s]
+    num_input = sum(len(w.prompt_token_ids) for w, r in zip(workload, results) if r in ok)
+    num_output = sum(r.num_output_tokens for r in ok)
+    summary = {
+        "successful requests": len(ok),
+        "failed requests": len(results) - len(ok),
+        "duration (s)": duration_s,
+        "request throughput (req/s)": len(ok) / duration_s,
+        "output token throughput (tok/s)": num_output / duration_s,
+        "total token throughput (tok/s)": (num_input + num_output) / duration_s,
+    }
+    series = {
+        "TTFT (ms)": [r.ttft_s for r in ok],
+        "TPOT (ms)": [r.tpot_s for r in ok if r.tpot_s is not None],
+        "ITL (ms)": [itl for r in ok for itl in r.itls_s],
+    }
+    for name, values in series.items():
+        values_ms = np.asarray(values or [math.nan]) * 1000.0
+        summary[f"mean {name}"] = float(np.mean(values_ms))
+        for q in (50, 90, 99):
+            summary[f"p{q} {name}"] = float(np.percentile(values_ms, q))
+    return summary
+
+
+def print_table(columns: dict[str, dict[str, float]]) -> None:
+    names = list(columns)
+    rows = list(next(iter(columns.values())))
+    width = max(len(r) for r in rows)
+    print(f"{'':<{width}}  " + "  ".join(f"{n:>12}" for n in names))
+    for row in rows:
+        cells = []
+        for name in names:
+            value = columns[name][row]
+            cells.append(f"{value:>12.0f}" if row.endswith("requests") else f"{value:>12.2f}")
+        print(f"{row:<{width}}  " + "  ".join(cells))
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--address", default=None,
+                   help="a running frontend; default: start a local cluster for the run")
+    p.add_argument("--model", default=None, help="HF model dir or .gguf (default: SmolLM2)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--range-ratio", type=float, default=0.0)
+    p.add_argument("--request-rate", type=float, default=math.inf, help="req/s (inf: all at 0)")
+    p.add_argument("--max-concurrency", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="alternate gRPC and in-process runs this many times; report the best")
+    p.add_argument("--skip-inprocess", action="store_true")
+    return p.parse_args()
+
+
+THROUGHPUT = "output token throughput (tok/s)"
+
+
+def start_cluster(args: argparse.Namespace, stack: ExitStack) -> str:
+    """A local cluster like the in-process engine: same model, length and KV size."""
+    from kvmesh.cluster import ClusterConfig, LocalCluster
+
+    log_dir = Path(tempfile.mkdtemp(prefix="kvmesh-bench-"))
+    config = ClusterConfig(
+        model=args.model, max_model_len=args.max_model_len, log_dir=log_dir,
+        worker_args=["--kv-cache-gib", str(args.kv_cache_gib)],
+    )
+    print(f"starting a local cluster (logs in {log_dir})...", flush=True)
+    return stack.enter_context(LocalCluster(config)).address
+
+
+def make_inprocess_engine(args: argparse.Namespace, workload: list[BenchRequest]):
+    from services.frontend.llm_engine import EngineArgs, LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=args.model, max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
+    ))
+    run_inprocess(engine, workload[:1], 1)  # warm-up
+    return engine
+
+
+def main() -> None:
+    args = parse_args()
+    workload = make_workload(args)
+    runs: dict[str, list[dict[str, float]]] = {"gRPC": [], "in-process": []}
+    with ExitStack() as stack:
+        address = args.address or start_cluster(args, stack)
+        engine = None if args.skip_inprocess else make_inprocess_engine(args, workload)
+        # Alternating runs see the same background load; noise only slows a
+        # run down, so the best of each is compared (as timeit does).
+        for repeat in range(args.repeats):
+            results, duration_s = asyncio.run(run_grpc(address, workload, args.max_concurrency))
+            runs["gRPC"].append(summarize(results, duration_s, workload))
+            if engine is not None:
+                results, duration_s = run_inprocess(engine, workload, args.max_concurrency)
+                runs["in-process"].append(summarize(results, duration_s, workload))
+            print(f"repeat {repeat}: " + ", ".join(
+                f"{name} {r[-1][THROUGHPUT]:.1f} tok/s" for name, r in runs.items() if r), flush=True)
+
+    best = {name: max(r, key=lambda s: s[THROUGHPUT]) for name, r in runs.items() if r}
+    print(f"\n{args.num_prompts} prompts, input {args.input_len}, output {args.output_len} "
+          f"(range ratio {args.range_ratio}), rate {args.request_rate} req/s, "
+          f"max concurrency {args.max_concurrency}, greedy, ignore_eos; "
+          f"best of {args.repeats} run(s)\n")
+    print_table(best)
+    if "in-process" in best:
+        ratio = best["gRPC"][THROUGHPUT] / best["in-process"][THROUGHPUT]
+        print(f"\ngRPC / in-process output throughput: {ratio:.1%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""The ``kvmesh`` command: run a local cluster, and talk to a running one.
+
+    kvmesh up [--model M] [--workers N] [--port P] [--redis-url URL] [--demo]
+    kvmesh generate "Once upon a time" [--address A] [--max-tokens N] [--temperature T]
+    kvmesh chat [--address A] [--message "Hi!"] [--system "..."]
+
+``up`` starts Redis (an embedded valkey-server unless ``--redis-url``), the
+scheduler, the workers and a frontend as child processes on loopback, prints
+the frontend's address once everything is healthy, and stops them all on
+Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+DEMO_QUESTION = "What is the capital of France?"
+_WATCH_INTERVAL_S = 1.0
+
+
+def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=DEFAULT_ADDRESS, help="frontend HOST:PORT")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--repetition-penalty", type=float, default=None)
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict:
+    return {
+        "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+        "top_k": args.top_k, "min_p": args.min_p, "seed": args.seed, "stop": args.stop,
+        "repetition_penalty": args.repetition_penalty,
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvmesh", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    up = commands.add_parser("up", help="start a local cluster and serve until Ctrl-C")
+    up.add_argument("--model", default=None, help="HF model dir or .gguf (default: SmolLM2)")
+    up.add_argument("--workers", type=int, default=1)
+    up.add_argument("--frontends", type=int, default=1)
+    up.add_argument("--port", type=int, default=50051, help="frontend port (0: a free one)")
+    up.add_argument("--redis-url", default=None, help="default: an embedded valkey-server")
+    up.add_argument("--max-model-len", type=int, default=None)
+    up.add_argument("--device", default=None, help="workers' device: cpu (default) or cuda")
+    up.add_argument("--log-dir", type=Path, default=None,
+                    help="write each service's log to DIR/<name>.log (default: this terminal)")
+    up.add_argument("--demo", action="store_true",
+                    help=f"stream an answer to {DEMO_QUESTION!r} once serving")
+
+    generate = commands.add_parser("generate", help="stream a completion of a text prompt")
+    generate.add_argument("prompt")
+    generate.add_argument("-n", type=int, default=None, help="number of sequences")
+    _add_sampling_args(generate)
+
+    chat = commands.add_parser("chat", help="chat through the model's chat template")
+    chat.add_argument("--message", default=None, help="one message, answer, exit")
+    chat.add_argument("--system", default=None, help="a system prompt")
+    _add_sampling_args(chat)
+    return parser
+
+
+# ---------------------------------------------------------------- up
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from kvmesh.cluster import ClusterConfig, LocalCluster
+
+    config = ClusterConfig(
+        model=args.model, num_workers=args.workers, num_frontends=args.frontends,
+        frontend_port=args.port, redis_url=args.redis_url, max_model_len=args.max_model_len,
+        log_dir=args.log_dir, worker_args=["--device", args.device] if args.device else [],
+    )
+    cluster = LocalCluster(config)
+    # SIGTERM leaves the same way as Ctrl-C: through the finally below. SIGINT
+    # is set too because a shell starts background jobs with it ignored.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _raise_keyboard_interrupt)
+    try:
+        print(f"kvmesh: starting {args.workers} worker(s) on model "
+              f"{args.model or 'SmolLM2-135M-Instruct'}...", flush=True)
+        cluster.start()
+        print(f"kvmesh: serving on {' '.join(cluster.frontend_addresses)} "
+              f"(scheduler {cluster.scheduler_address}, redis {cluster.redis_url}); "
+              "Ctrl-C to stop", flush=True)
+        if args.demo:
+            _demo(cluster.address)
+        _watch(cluster)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("kvmesh: stopping...", flush=True)
+        cluster.stop()
+        print("kvmesh: stopped", flush=True)
+    return 0
+
+
+def _demo(address: str) -> None:
+    from kvmesh.client import Client
+
+    print(f"\nuser: {DEMO_QUESTION}\nassistant: ", end="", flush=True)
+    with Client(address) as client:
+        messages = [{"role": "user", "content": DEMO_QUESTION}]
+        _print_stream(client.chat(messages, temperature=0.0, max_tokens=64))
+    print(flush=True)
+
+
+def _watch(cluster) -> None:
+    """Serves until interrupted; reports children that exit on their own."""
+    reported: set[str] = set()
+    while True:
+        time.sleep(_WATCH_INTERVAL_S)
+        for process in [cluster.scheduler, *cluster.workers, *cluster.frontends]:
+            if not process.alive() and process.name not in reported:
+                reported.add(process.name)
+                print(f"kvmesh: {process.name} exited with code {process.popen.returncode}",
+                      file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- generate / chat
+
+
+def _print_stream(chunks: Iterator) -> list[str]:
+    """Prints the DELTA text of output 0 as it streams; returns every output's text."""
+    texts: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for output in chunk.outputs:
+            texts.setdefault(output.index, []).append(output.text)
+            if output.index == 0:
+                print(output.text, end="", flush=True)
+    return ["".join(texts[i]) for i in sorted(texts)]
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvmesh.client import Client
+
+    with Client(args.address) as client:
+        texts = _print_stream(client.generate(args.prompt, n=args.n, **_sampling_kwargs(args)))
+    print()
+    for index, text in enumerate(texts[1:], start=1):
+        print(f"--- sequence {index} ---\n{text}")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from kvmesh.client import Client
+
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = args.message is None
+    with Client(args.address) as client:
+        while True:
+            if interactive:
+                try:
+                    content = input("user: ")
+                except EOFError:
+                    print()
+                    return 0
+                if not content.strip():
+                    continue
+                print("assistant: ", end="", flush=True)
+            else:
+                content = args.message
+            messages.append({"role": "user", "content": content})
+            (answer,) = _print_stream(client.chat(messages, **_sampling_kwargs(args)))
+            print()
+            messages.append({"role": "assistant", "content": answer})
+            if not interactive:
+                return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    command = {"up": cmd_up, "generate": cmd_generate, "chat": cmd_chat}[args.command]
+    try:
+        return command(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # gRPC errors: print the status, not a traceback
+        import grpc
+
+        if isinstance(e, grpc.RpcError):
+            print(f"kvmesh: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

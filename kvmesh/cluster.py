@@ -1,0 +1,272 @@
+"""A local kvmesh cluster: Redis, a scheduler, N workers and frontends as child processes.
+
+What ``kvmesh up`` runs, and what the end-to-end tests start. Every service
+listens on loopback on a free port; each child runs in its own process group
+(session) so stopping it also stops anything it started, and so a Ctrl-C in
+the terminal reaches only the CLI, which then stops the children in order:
+frontends, workers, scheduler, Redis; each with SIGTERM first, SIGKILL after
+a grace period.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from kvmesh.healthcheck import check_health
+from services.common.redis_server import EmbeddedRedis, free_port
+
+# (name, host, port) -> the child's command line.
+ArgvFactory = Callable[[str, str, int], list[str]]
+_POLL_INTERVAL_S = 0.2
+_LOG_TAIL_BYTES = 4000
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    """What to start. ``model`` None is the default model (SmolLM2-135M-Instruct).
+
+    ``frontend_port`` 0 picks a free port (the first frontend's; others always
+    get free ports). ``redis_url`` None starts an embedded valkey-server.
+    ``max_model_len`` goes to workers and frontends alike. The ``*_args``
+    lists are extra command-line flags for every process of that kind (e.g.
+    ``worker_args=["--num-kv-blocks", "64"]``). ``log_dir`` None lets the
+    children write to this process's stdout/stderr; otherwise each writes
+    ``<log_dir>/<name>.log``. ``env`` adds environment variables.
+    """
+
+    model: str | None = None
+    num_workers: int = 1
+    num_frontends: int = 1
+    frontend_port: int = 0
+    host: str = "127.0.0.1"
+    redis_url: str | None = None
+    max_model_len: int | None = None
+    scheduler_args: list[str] = field(default_factory=list)
+    worker_args: list[str] = field(default_factory=list)
+    frontend_args: list[str] = field(default_factory=list)
+    log_dir: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout_s: float = 600.0
+    stop_grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 0:
+            raise ValueError(f"num_workers is {self.num_workers}, must be >= 0")
+        if self.num_frontends < 0:
+            raise ValueError(f"num_frontends is {self.num_frontends}, must be >= 0")
+
+
+class ServiceProcess:
+    """One child service: its command, the address its gRPC health answers on, its log."""
+
+    def __init__(self, name: str, argv: list[str], health_address: str,
+                 log_path: Path | None, env: dict[str, str]) -> None:
+        self.name = name
+        self.argv = argv
+        self.health_address = health_address
+        self.log_path = log_path
+        log: IO[bytes] | None = open(log_path, "ab") if log_path is not None else None
+        try:
+            self.popen = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT if log else None,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+                start_new_session=True,
+            )
+        finally:
+            if log is not None:
+                log.close()
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        """Sends ``sig`` to the child's whole process group."""
+        if self.alive():
+            try:
+                os.killpg(self.popen.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, grace_s: float) -> None:
+        """SIGTERM, then SIGKILL if still running after ``grace_s``."""
+        self.signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            self.popen.wait()
+        # Anything the child left in its group (it should leave nothing).
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def log_tail(self) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        with open(self.log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - _LOG_TAIL_BYTES))
+            return f.read().decode(errors="replace")
+
+    def wait_serving(self, deadline: float) -> None:
+        """Waits for gRPC health SERVING; raises RuntimeError if the child dies,
+        TimeoutError at ``deadline`` (time.monotonic())."""
+        status = ""
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(
+                    f"{self.name} exited with code {self.popen.returncode} before serving\n"
+                    f"{self.log_tail()}"
+                )
+            status = check_health(self.health_address, timeout_s=1.0)
+            if status == "SERVING":
+                return
+            time.sleep(_POLL_INTERVAL_S)
+        raise TimeoutError(
+            f"{self.name} at {self.health_address} not SERVING (last: {status})\n{self.log_tail()}"
+        )
+
+
+class LocalCluster:
+    """Starts and stops a whole cluster; use as a context manager.
+
+    ``start()`` returns once every service answers health SERVING (workers:
+    registered with the scheduler; frontends: streaming to it).
+    """
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.redis: EmbeddedRedis | None = None
+        self.redis_url = config.redis_url
+        self.scheduler: ServiceProcess | None = None
+        self.workers: list[ServiceProcess] = []
+        self.frontends: list[ServiceProcess] = []
+        self._num_workers_started = 0
+
+    @property
+    def scheduler_address(self) -> str:
+        return self.scheduler.health_address
+
+    @property
+    def frontend_addresses(self) -> list[str]:
+        return [f.health_address for f in self.frontends]
+
+    @property
+    def address(self) -> str:
+        """The first frontend's address (what clients dial)."""
+        return self.frontends[0].health_address
+
+    def start(self) -> LocalCluster:
+        try:
+            if self.redis_url is None:
+                self.redis = EmbeddedRedis()
+                self.redis_url = self.redis.url
+            self.scheduler = self._spawn("scheduler", self._scheduler_argv)
+            self.scheduler.wait_serving(self._deadline())
+            self.add_workers(self.config.num_workers)
+            for index in range(self.config.num_frontends):
+                port = self.config.frontend_port if index == 0 else 0
+                self.add_frontend(port)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def add_workers(self, num_workers: int) -> list[ServiceProcess]:
+        """Starts workers (in parallel) and waits until each has registered."""
+        started = []
+        for _ in range(num_workers):
+            self._num_workers_started += 1
+            started.append(self._spawn(f"worker-{self._num_workers_started}", self._worker_argv))
+        self.workers.extend(started)
+        deadline = self._deadline()
+        for worker in started:
+            worker.wait_serving(deadline)
+        return started
+
+    def add_frontend(self, port: int = 0) -> ServiceProcess:
+        """Starts a frontend and waits until it streams to the scheduler."""
+        frontend = self._spawn(f"frontend-{len(self.frontends)}", self._frontend_argv, port)
+        self.frontends.append(frontend)
+        frontend.wait_serving(self._deadline())
+        return frontend
+
+    def stop(self) -> None:
+        """Stops every child, frontends first, then Redis; safe to call twice."""
+        grace_s = self.config.stop_grace_s
+        for group in (self.frontends, self.workers, [self.scheduler] if self.scheduler else []):
+            stop_all(group, grace_s)
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------ commands
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.config.startup_timeout_s
+
+    def _spawn(self, name: str, make_argv: ArgvFactory, port: int = 0) -> ServiceProcess:
+        """Starts ``make_argv(name, host, port)`` on ``port`` (0: a free one)."""
+        host = self.config.host
+        port = port or free_port()
+        argv = make_argv(name, host, port)
+        log_dir = self.config.log_dir
+        log_path = None
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            log_path = log_dir / f"{name}.log"
+        return ServiceProcess(name, argv, f"{host}:{port}", log_path, self.config.env)
+
+    def _model_args(self) -> list[str]:
+        args = []
+        if self.config.model is not None:
+            args += ["--model", self.config.model]
+        if self.config.max_model_len is not None:
+            args += ["--max-model-len", str(self.config.max_model_len)]
+        return args
+
+    def _scheduler_argv(self, name: str, host: str, port: int) -> list[str]:
+        argv = [sys.executable, "-m", "services.scheduler.server", "--host", host,
+                "--port", str(port), "--redis-url", self.redis_url]
+        if self.config.model is not None:
+            argv += ["--model", self.config.model]
+        return argv + list(self.config.scheduler_args)
+
+    def _worker_argv(self, name: str, host: str, port: int) -> list[str]:
+        # A worker dials the scheduler; ``port`` is where it serves its health.
+        argv = [sys.executable, "-m", "services.worker.server",
+                "--scheduler-address", self.scheduler_address, "--worker-id", name,
+                "--health-host", host, "--health-port", str(port), *self._model_args()]
+        return argv + list(self.config.worker_args)
+
+    def _frontend_argv(self, name: str, host: str, port: int) -> list[str]:
+        argv = [sys.executable, "-m", "services.frontend.server", "--host", host,
+                "--port", str(port), "--scheduler-address", self.scheduler_address,
+                *self._model_args()]
+        return argv + list(self.config.frontend_args)
+
+
+def stop_all(processes: Sequence[ServiceProcess], grace_s: float) -> None:
+    """Stops ``processes`` together: SIGTERM to all, then waits (SIGKILL stragglers)."""
+    for process in processes:
+        process.signal(signal.SIGTERM)
+    for process in processes:
+        process.stop(grace_s)

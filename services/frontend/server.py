@@ -1,0 +1,329 @@
+"""The frontend gRPC service: the public ``kvmesh.v1.Generation`` API.
+
+Start-up order: listen at once with health NOT_SERVING, load the tokenizer,
+open the one FrontendStream to the scheduler, then report SERVING. Health
+goes back to NOT_SERVING while the scheduler stream is down and while
+draining. Status codes: INVALID_ARGUMENT for a bad request (the message
+names the field and its allowed range), UNAVAILABLE when no scheduler or
+worker can serve, RESOURCE_EXHAUSTED when the scheduler's queue is full.
+
+``python -m services.frontend.server --port 50051 --scheduler-address HOST:PORT``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import secrets
+import signal
+from contextlib import aclosing
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from kvmesh.v1 import api_pb2, api_pb2_grpc
+
+from services.common.model_files import DEFAULT_MODEL_NAME, resolve_model_dir
+from services.frontend import api_convert
+from services.frontend.async_llm import AsyncLLM, RequestFailedError
+from services.frontend.core_client import DEFAULT_MAX_MESSAGE_BYTES, GrpcEngineCoreClient
+from services.frontend.input_processor import InputProcessor
+from services.frontend.output_processor import OutputProcessor
+from services.frontend.tokenizer import (
+    encode_chat,
+    encode_prompt,
+    load_eos_token_ids,
+    load_tokenizer,
+)
+from services.frontend.validation import DEFAULT_MAX_LOGPROBS, ValidationError, check_token_ids
+
+logger = logging.getLogger(__name__)
+
+GENERATION_SERVICE = api_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+# The workers' default context window when the model allows more (keep in
+# step with services.worker.worker.DEFAULT_MAX_MODEL_LEN).
+DEFAULT_MAX_MODEL_LEN = 2048
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+
+
+@dataclass(slots=True, kw_only=True)
+class FrontendServiceConfig:
+    """Where the frontend listens, which scheduler it streams to, which model it serves.
+
+    ``model`` None is the default model; ``max_model_len`` None is the
+    model's limit capped at 2048, the workers' default (pass the workers'
+    value when they use another). ``port`` 0 picks a free port.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    scheduler_address: str = "127.0.0.1:50052"
+    model: str | None = None
+    max_model_len: int | None = None
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    stream_interval: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port is {self.port}, must be in [0, 65535]")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len is {self.max_model_len}, must be >= 2")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs is {self.max_logprobs}, must be >= 0")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval is {self.stream_interval}, must be >= 1")
+
+
+@dataclass(slots=True, frozen=True)
+class ModelInfo:
+    name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+def read_model_info(
+    model_dir: Path, config: FrontendServiceConfig, eos_token_ids: list[int]
+) -> ModelInfo:
+    """The model facts the frontend validates against, from ``config.json``."""
+    hf = json.loads((model_dir / "config.json").read_text())
+    limit = hf.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN
+    if config.max_model_len is None:
+        max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)
+    elif config.max_model_len > limit:
+        raise ValueError(f"max_model_len is {config.max_model_len}; allowed range is [2, {limit}]")
+    else:
+        max_model_len = config.max_model_len
+    return ModelInfo(config.model or DEFAULT_MODEL_NAME, max_model_len, hf["vocab_size"],
+                     tuple(eos_token_ids))
+
+
+class GenerationServicer(api_pb2_grpc.GenerationServicer):
+    """The public API over an AsyncLLM; answers UNAVAILABLE until ``ready``."""
+
+    def __init__(self) -> None:
+        self.engine: AsyncLLM | None = None
+        self.model_info: ModelInfo | None = None
+        self.core: GrpcEngineCoreClient | None = None
+
+    def ready(self, engine: AsyncLLM, model_info: ModelInfo, core: GrpcEngineCoreClient) -> None:
+        self.engine, self.model_info, self.core = engine, model_info, core
+
+    async def _engine(self, context: grpc.aio.ServicerContext) -> AsyncLLM:
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the frontend is still starting")
+        return self.engine
+
+    async def Generate(self, request: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        engine = await self._engine(context)
+        client_request_id = request.request_id or f"req-{secrets.token_hex(8)}"
+        try:
+            prompt = api_convert.prompt_from_api(request)
+            params = api_convert.sampling_params_from_api(
+                request.sampling_params, request.HasField("sampling_params")
+            )
+            cache_salt = request.cache_salt if request.HasField("cache_salt") else None
+            stream = engine.generate(
+                client_request_id, prompt, params, priority=request.priority, cache_salt=cache_salt
+            )
+            first = True
+            async with aclosing(stream):
+                async for output in stream:
+                    yield api_convert.request_output_to_api(client_request_id, output, first=first)
+                    first = False
+        except ValidationError as e:
+            logger.info("event=request_rejected request_id=%s field=%s message=%r",
+                        client_request_id, e.field, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RequestFailedError as e:
+            await context.abort(e.code, e.message)
+
+    async def Tokenize(self, request: api_pb2.TokenizeRequest, context) -> api_pb2.TokenizeResponse:
+        engine = await self._engine(context)
+        tokenizer = engine.input_processor.tokenizer
+        try:
+            prompt = api_convert.prompt_from_api(request)
+            if isinstance(prompt, str):
+                ids = (encode_prompt(tokenizer, prompt) if request.add_special_tokens
+                       else tokenizer.encode(prompt, add_special_tokens=False))
+            elif prompt and isinstance(prompt[0], dict):
+                ids = encode_chat(tokenizer, prompt)[1]
+            else:
+                raise ValidationError("prompt", "Tokenize takes text or chat messages")
+        except ValidationError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return api_pb2.TokenizeResponse(token_ids=ids)
+
+    async def Detokenize(
+        self, request: api_pb2.DetokenizeRequest, context
+    ) -> api_pb2.DetokenizeResponse:
+        engine = await self._engine(context)
+        try:
+            check_token_ids("token_ids", request.token_ids, self.model_info.vocab_size)
+        except ValidationError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        text = engine.input_processor.tokenizer.decode(
+            list(request.token_ids), skip_special_tokens=request.skip_special_tokens
+        )
+        return api_pb2.DetokenizeResponse(text=text)
+
+    async def GetModelInfo(
+        self, request: api_pb2.GetModelInfoRequest, context
+    ) -> api_pb2.ModelInfo:
+        await self._engine(context)
+        info = self.model_info
+        return api_pb2.ModelInfo(model=info.name, max_model_len=info.max_model_len,
+                                 vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids)
+
+    async def GetStats(self, request: api_pb2.GetStatsRequest, context) -> api_pb2.ClusterStats:
+        await self._engine(context)
+        try:
+            return await self.core.get_stats()
+        except grpc.aio.AioRpcError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"scheduler GetStats failed: {e.code().name}: {e.details()}")
+
+
+class FrontendServer:
+    """A listening frontend; ``start()`` loads the tokenizer and connects."""
+
+    def __init__(self, config: FrontendServiceConfig) -> None:
+        self.config = config
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        self.servicer = GenerationServicer()
+        self.core: GrpcEngineCoreClient | None = None
+        self._health_task: asyncio.Task | None = None
+        api_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
+        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {config.host}:{config.port}")
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def _set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in ("", GENERATION_SERVICE):
+            await self.health.set(service, status)
+
+    def _post_health(self, serving: bool) -> None:
+        """Sets health from a sync callback; updates apply in the order posted."""
+        previous = self._health_task
+
+        async def update() -> None:
+            if previous is not None:
+                await previous
+            await self._set_serving(serving)
+
+        self._health_task = asyncio.get_running_loop().create_task(update())
+
+    async def start(self) -> None:
+        """Listens (NOT_SERVING), loads the tokenizer, starts the scheduler stream.
+
+        Health turns SERVING when the stream is up; this returns before that.
+        """
+        await self._set_serving(False)
+        await self.server.start()
+        logger.info("event=frontend_listening address=%s", self.address)
+        engine, model_info = await asyncio.to_thread(self._build_engine)
+        self.core = GrpcEngineCoreClient(
+            self.config.scheduler_address,
+            engine.handle_outputs,
+            on_connect=lambda: self._post_health(True),
+            on_disconnect=lambda reason: self._on_disconnect(engine, reason),
+        )
+        engine.attach(self.core)
+        self.servicer.ready(engine, model_info, self.core)
+        self.core.start()
+        logger.info("event=frontend_loaded model=%s max_model_len=%d vocab_size=%d scheduler=%s",
+                    model_info.name, model_info.max_model_len, model_info.vocab_size,
+                    self.config.scheduler_address)
+
+    def _on_disconnect(self, engine: AsyncLLM, reason: str) -> None:
+        self._post_health(False)
+        engine.handle_disconnect(reason)
+
+    def _build_engine(self) -> tuple[AsyncLLM, ModelInfo]:
+        model_dir = resolve_model_dir(self.config.model)
+        tokenizer = load_tokenizer(model_dir)
+        info = read_model_info(model_dir, self.config, load_eos_token_ids(model_dir, tokenizer))
+        input_processor = InputProcessor(tokenizer, info.max_model_len, info.vocab_size,
+                                         info.eos_token_ids, self.config.max_logprobs)
+        output_processor = OutputProcessor(tokenizer, self.config.stream_interval)
+        return AsyncLLM(input_processor, output_processor), info
+
+    async def stop(self, grace_s: float | None = 5.0) -> None:
+        """NOT_SERVING, lets streams finish for ``grace_s``, then closes the scheduler stream."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+        if self.core is not None:
+            await self.core.close()
+        logger.info("event=frontend_stopped address=%s", self.address)
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def serve_frontend(config: FrontendServiceConfig) -> FrontendServer:
+    """Creates and starts a frontend; health turns SERVING once the scheduler stream is up."""
+    server = FrontendServer(config)
+    await server.start()
+    return server
+
+
+def parse_args(argv: list[str] | None = None) -> FrontendServiceConfig:
+    p = argparse.ArgumentParser(prog="python -m services.frontend.server", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--scheduler-address", default="127.0.0.1:50052")
+    p.add_argument("--model", default=None, help="HF model dir or .gguf file (default: SmolLM2)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS)
+    p.add_argument("--stream-interval", type=int, default=1)
+    args = p.parse_args(argv)
+    return FrontendServiceConfig(
+        host=args.host, port=args.port, scheduler_address=args.scheduler_address,
+        model=args.model, max_model_len=args.max_model_len, max_logprobs=args.max_logprobs,
+        stream_interval=args.stream_interval,
+    )
+
+
+async def _main(config: FrontendServiceConfig) -> None:
+    server = await serve_frontend(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("event=frontend_draining address=%s", server.address)
+    await server.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    asyncio.run(_main(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Failures of real processes: a worker SIGKILLed mid-generation, a frontend killed,
+the last worker gone. Clients must see either an uninterrupted, unchanged
+stream or a clean UNAVAILABLE, never a hang.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from kvmesh.client import Client
+from kvmesh.cluster import LocalCluster, ServiceProcess
+from tests.e2e.helpers import GREEDY, all_blocks_free, tiny_cluster_config, wait_for
+
+MAX_TOKENS = 150
+
+
+@pytest.fixture(scope="module")
+def cluster(make_cluster, tiny_model_dir, tmp_path_factory) -> LocalCluster:
+    config = tiny_cluster_config(tiny_model_dir, tmp_path_factory.mktemp("logs"),
+                                 num_workers=2, num_frontends=2)
+    return make_cluster(config)
+
+
+def prompts(seed: int, count: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 40000) for _ in range(rng.randint(8, 40))] for _ in range(count)]
+
+
+def reference(client: Client, token_prompts: list[list[int]]) -> list[list[int]]:
+    with ThreadPoolExecutor(len(token_prompts)) as pool:
+        return list(pool.map(
+            lambda p: list(client.complete(token_ids=p, max_tokens=MAX_TOKENS, **GREEDY)
+                           .outputs[0].token_ids), token_prompts))
+
+
+class Streams:
+    """DELTA streams run in threads; ``started`` is set once each has a token."""
+
+    def __init__(self, client: Client, token_prompts: list[list[int]]) -> None:
+        self.tokens: list[list[int]] = [[] for _ in token_prompts]
+        self.errors: list[grpc.StatusCode | None] = [None] * len(token_prompts)
+        self._num_started = 0
+        self._lock = threading.Lock()
+        self.started = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(client, i, p))
+                         for i, p in enumerate(token_prompts)]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, client: Client, index: int, prompt: list[int]) -> None:
+        try:
+            for chunk in client.generate(token_ids=prompt, max_tokens=MAX_TOKENS, **GREEDY):
+                first = not self.tokens[index]
+                self.tokens[index].extend(chunk.outputs[0].token_ids)
+                if first:
+                    with self._lock:
+                        self._num_started += 1
+                        if self._num_started == len(self.tokens):
+                            self.started.set()
+        except grpc.RpcError as e:
+            self.errors[index] = e.code()
+            self.started.set()
+
+    def join(self) -> None:
+        for thread in self._threads:
+            thread.join(60)
+
+
+def kill(process: ServiceProcess) -> None:
+    process.signal(signal.SIGKILL)
+    process.popen.wait(10)
+
+
+def test_sigkill_a_worker_mid_generation_keeps_every_greedy_output(cluster):
+    client = Client(cluster.frontend_addresses[0], timeout_s=60)
+    token_prompts = prompts(0, 6)
+    expected = reference(client, token_prompts)
+
+    streams = Streams(client, token_prompts)
+    assert streams.started.wait(30)
+    running = {w.worker_id: w.num_running_reqs for w in client.stats().workers}
+    victim = next(w for w in cluster.workers if running.get(w.name, 0) > 0)
+    kill(victim)
+    streams.join()
+
+    assert streams.errors == [None] * 6
+    assert streams.tokens == expected
+    assert [w.worker_id for w in client.stats().workers] == [
+        w.name for w in cluster.workers if w is not victim]
+    wait_for(lambda: all_blocks_free(client), what="blocks freed")
+    client.close()
+
+
+def test_killing_one_frontend_leaves_the_other_undisturbed(cluster):
+    survivor = Client(cluster.frontend_addresses[1], timeout_s=60)
+    doomed = Client(cluster.frontend_addresses[0], timeout_s=60)
+    token_prompts = prompts(1, 2)
+    expected = reference(survivor, token_prompts)
+
+    # 2 + 2 requests: all run at once on the remaining worker (max_num_seqs 4).
+    kept = Streams(survivor, token_prompts)
+    lost = Streams(doomed, prompts(2, 2))
+    assert kept.started.wait(30) and lost.started.wait(30)
+    kill(cluster.frontends[0])
+    kept.join()
+    lost.join()
+
+    assert kept.errors == [None] * 2 and kept.tokens == expected
+    assert lost.errors == [grpc.StatusCode.UNAVAILABLE] * 2
+    # The scheduler aborted the dead frontend's requests: every block is free.
+    wait_for(lambda: all_blocks_free(survivor), what="blocks freed")
+    survivor.close()
+    doomed.close()
+
+
+def test_losing_the_last_worker_is_unavailable(cluster):
+    client = Client(cluster.frontend_addresses[-1], timeout_s=60)
+    streams = Streams(client, prompts(3, 1))
+    assert streams.started.wait(30)
+    for worker in cluster.workers:
+        kill(worker)
+    streams.join()
+    assert streams.errors == [grpc.StatusCode.UNAVAILABLE]
+
+    wait_for(lambda: not client.stats().workers, what="no worker registered")
+    with pytest.raises(grpc.RpcError) as info:
+        list(client.generate("hi", max_tokens=4))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "no worker is registered" in info.value.details()
+    client.close()

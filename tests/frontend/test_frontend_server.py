@@ -1,0 +1,383 @@
+"""The frontend gRPC service over real gRPC, with the real scheduler and worker services.
+
+Scheduler, worker and frontend run in-process on free loopback ports, on one
+asyncio loop in a background thread; tests call the frontend through the
+synchronous ``kvmesh.client.Client``, like a user. The model is a tiny random
+Llama carrying SmolLM2's tokenizer, so assertions compare runs with each
+other (and exact token ids of the real tokenizer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from kvmesh.client import Client
+from kvmesh.healthcheck import check_health
+from services.common.redis_server import free_port
+from services.frontend.server import FrontendServer, FrontendServiceConfig, serve_frontend
+from services.scheduler.server import SchedulerServer
+from tests.e2e.tiny_model import save_tiny_llama
+from tests.grpc_utils import (
+    MAX_MODEL_LEN,
+    RunningWorker,
+    get_stats,
+    reflection_services,
+    start_scheduler,
+    start_worker,
+    wait_for_workers,
+)
+
+MAX_NUM_SEQS = 4
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+class LoopThread:
+    """An asyncio loop in a daemon thread; ``run`` executes a coroutine there."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout_s: float = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        time.sleep(0.02)
+
+
+@dataclass
+class Stack:
+    loop: LoopThread
+    scheduler: SchedulerServer
+    worker: RunningWorker
+    frontend: FrontendServer
+    client: Client
+
+    def stats(self):
+        return self.loop.run(get_stats(self.scheduler.address))
+
+    def blocks_all_free(self) -> bool:
+        (worker,) = self.stats().workers
+        return (worker.num_free_blocks == worker.num_total_blocks
+                and worker.num_running_reqs == worker.num_waiting_reqs == 0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, default_model_dir) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = LoopThread()
+    yield loop
+    loop.close()
+
+
+def frontend_config(model_dir: Path, scheduler_address: str, **overrides) -> FrontendServiceConfig:
+    return FrontendServiceConfig(port=0, scheduler_address=scheduler_address, model=str(model_dir),
+                                 max_model_len=MAX_MODEL_LEN, **overrides)
+
+
+@pytest.fixture(scope="module")
+def stack(loop, model_dir):
+    async def start() -> tuple[SchedulerServer, RunningWorker, FrontendServer]:
+        scheduler = await start_scheduler(max_num_seqs=MAX_NUM_SEQS)
+        worker = start_worker(scheduler.address, model_dir, "w0",
+                              worker=dict(max_num_seqs=MAX_NUM_SEQS))
+        await wait_for_workers(scheduler.address, ["w0"])
+        frontend = await serve_frontend(frontend_config(model_dir, scheduler.address))
+        return scheduler, worker, frontend
+
+    scheduler, worker, frontend = loop.run(start())
+    client = Client(frontend.address, timeout_s=30)
+    wait_for(lambda: check_health(frontend.address) == "SERVING")
+    yield Stack(loop, scheduler, worker, frontend, client)
+    client.close()
+
+    async def stop() -> None:
+        await frontend.stop(1.0)
+        await scheduler.stop(1.0)  # drains the worker
+        await asyncio.wait_for(worker.task, 10)
+
+    loop.run(stop())
+
+
+def final(client: Client, prompt: str | None = None, **kwargs):
+    return client.complete(prompt, **kwargs)
+
+
+def error_of(call: Callable[[], Any]) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value
+
+
+# ---------------------------------------------------------------- discovery and model info
+
+
+def test_health_serving_and_reflection_lists_generation(stack):
+    address = stack.frontend.address
+    assert check_health(address) == "SERVING"
+    assert check_health(address, "kvmesh.v1.Generation") == "SERVING"
+    assert stack.loop.run(reflection_services(address)) == [
+        "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", "kvmesh.v1.Generation",
+    ]
+
+
+def test_model_info(stack, model_dir):
+    info = stack.client.model_info()
+    assert (info.model, info.max_model_len, info.vocab_size, list(info.eos_token_ids)) == (
+        str(model_dir), MAX_MODEL_LEN, 49152, [2])
+
+
+def test_tokenize_and_detokenize_with_the_real_tokenizer(stack):
+    client = stack.client
+    assert client.tokenize("Hello world") == [19556, 905]
+    chat_ids = client.tokenize(messages=[{"role": "user", "content": "hi"}])
+    # SmolLM2's template: default system prompt, then the user turn, then the
+    # assistant header (add_generation_prompt).
+    assert chat_ids[:2] == [1, 9690]
+    assert chat_ids[-10:] == [1, 4093, 198, 6004, 2, 198, 1, 520, 9531, 198]
+    assert client.detokenize([19556, 905]) == "Hello world"
+    assert client.detokenize([1, 19556, 2], skip_special_tokens=True) == "Hello"
+    assert (client.detokenize([1, 19556, 2], skip_special_tokens=False)
+            == "<|im_start|>Hello<|im_end|>")
+
+
+# ---------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(prompt="hi", temperature=-1.0), "temperature must be >= 0, got -1.0"),
+    (dict(prompt="hi", top_p=1.5), "top_p must be in (0, 1], got 1.5"),
+    (dict(prompt="hi", top_k=-3), "top_k must be -1 or 0 (disabled) or >= 1, got -3"),
+    (dict(prompt="hi", logprobs=21), "logprobs must be in [0, 20], got 21"),
+    (dict(prompt="hi", stop=[""]), "stop must be non-empty strings"),
+    (dict(token_ids=[5, 49152]), "prompt must hold token ids in [0, 49152), got 49152"),
+    (dict(token_ids=[]), "prompt must not be empty"),
+    (dict(prompt="hi", max_tokens=300),
+     "prompt has 1 tokens and max_tokens is 300, but max_model_len is 256"),
+    (dict(token_ids=[7] * 300), "prompt has 300 tokens, max_model_len is 256"),
+])
+def test_invalid_requests_are_invalid_argument_naming_the_field(stack, kwargs, message):
+    error = error_of(lambda: list(stack.client.generate(**kwargs)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in error.details()
+    # Nothing reached the engine, and the frontend keeps serving.
+    assert stack.frontend.servicer.engine.num_unfinished_requests == 0
+    assert len(final(stack.client, "hi", max_tokens=2, **GREEDY).outputs[0].token_ids) == 2
+
+
+def test_detokenize_out_of_vocab_is_invalid_argument(stack):
+    error = error_of(lambda: stack.client.detokenize([49152]))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "token_ids must hold token ids in [0, 49152), got 49152" in error.details()
+
+
+# ---------------------------------------------------------------- streaming
+
+
+def test_output_kinds_agree(stack):
+    client = stack.client
+    reference = final(client, "Hello there", max_tokens=12, **GREEDY)
+    ref_out = reference.outputs[0]
+    assert reference.finished and ref_out.finish_reason == "length" and len(ref_out.token_ids) == 12
+    assert (reference.metrics.num_generation_tokens, reference.metrics.num_prompt_tokens) == (12, 2)
+
+    delta = list(client.generate("Hello there", max_tokens=12, **GREEDY))
+    assert "".join(c.outputs[0].text for c in delta) == ref_out.text
+    assert [t for c in delta for t in c.outputs[0].token_ids] == list(ref_out.token_ids)
+    # The prompt rides on the first chunk only, metrics on the last only.
+    assert list(delta[0].prompt_token_ids) == [19556, 665]
+    assert all(not c.prompt_token_ids for c in delta[1:])
+    assert [c.HasField("metrics") for c in delta] == [False] * (len(delta) - 1) + [True]
+    assert [c.finished for c in delta] == [False] * (len(delta) - 1) + [True]
+
+    cumulative = list(client.generate("Hello there", max_tokens=12, output_kind="cumulative",
+                                      **GREEDY))
+    lengths = [len(c.outputs[0].token_ids) for c in cumulative]
+    assert lengths == sorted(lengths) and lengths[-1] == 12
+    assert cumulative[-1].outputs[0].text == ref_out.text
+
+
+def test_stop_string_ends_the_request_and_frees_its_blocks(stack):
+    client = stack.client
+    text = final(client, "Tell me", max_tokens=16, **GREEDY).outputs[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    expected = text[: text.index(stop)]
+    out = final(client, "Tell me", max_tokens=16, stop=[stop], **GREEDY).outputs[0]
+    assert (out.text, out.finish_reason, out.stop_str) == (expected, "stop", stop)
+    with_stop = final(client, "Tell me", max_tokens=16, stop=[stop],
+                      include_stop_str_in_output=True, **GREEDY).outputs[0]
+    assert with_stop.text == expected + stop
+    wait_for(stack.blocks_all_free)
+
+
+def test_duplicate_client_request_ids_get_their_own_outputs(stack):
+    client = stack.client
+    prompts = ["Once upon a time", "The weather today"]
+    expected = [final(client, p, max_tokens=10, **GREEDY).outputs[0].text for p in prompts]
+    results: list[str] = ["", ""]
+
+    def run(index: int) -> None:
+        chunks = client.generate(prompts[index], request_id="same-id", max_tokens=10, **GREEDY)
+        results[index] = "".join(c.outputs[0].text for c in chunks if c.request_id == "same-id")
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == expected
+
+
+def test_n2_merges_children_and_seeds_reproduce(stack):
+    client = stack.client
+    sampled = dict(temperature=1.0, max_tokens=8, ignore_eos=True, n=2)
+    first = final(client, "Pick a word", seed=7, **sampled)
+    assert sorted(o.index for o in first.outputs) == [0, 1]
+    assert all(len(o.token_ids) == 8 and o.finish_reason == "length" for o in first.outputs)
+    again = final(client, "Pick a word", seed=7, **sampled)
+    other = final(client, "Pick a word", seed=8, **sampled)
+
+    def by_index(response):
+        return [list(o.token_ids) for o in sorted(response.outputs, key=lambda o: o.index)]
+
+    assert by_index(again) == by_index(first)
+    assert by_index(other) != by_index(first)
+    assert by_index(first)[0] != by_index(first)[1]  # children get derived seeds
+    # DELTA with n=2: each chunk names its sequence; per index they concatenate.
+    chunks = list(client.generate("Pick a word", seed=7, **sampled))
+    tokens = {0: [], 1: []}
+    for chunk in chunks:
+        for output in chunk.outputs:
+            tokens[output.index].extend(output.token_ids)
+    assert [tokens[0], tokens[1]] == by_index(first)
+
+
+def test_logprobs_and_prompt_logprobs(stack):
+    response = final(stack.client, "Hello there", max_tokens=4, logprobs=2, prompt_logprobs=1,
+                     **GREEDY)
+    out = response.outputs[0]
+    assert len(out.logprobs) == 4
+    for token_id, position in zip(out.token_ids, out.logprobs):
+        # Greedy: the sampled token is the top-1, listed once; then the top-2.
+        assert position.entries[0].token_id == token_id
+        assert [e.rank for e in position.entries] == [1, 2]
+    assert out.cumulative_logprob == pytest.approx(sum(p.entries[0].logprob for p in out.logprobs),
+                                                   abs=1e-4)
+    # Position 0 has nothing to condition on: an empty entry.
+    assert [len(p.entries) for p in response.prompt_logprobs][0] == 0
+    assert len(response.prompt_logprobs) == 2
+    assert response.prompt_logprobs[1].entries[0].token_id == 665
+
+
+# ---------------------------------------------------------------- cancellation
+
+
+def test_cancelled_stream_aborts_and_frees_blocks(stack):
+    stream = stack.client.generate("Count with me", max_tokens=200, **GREEDY)
+    first_chunks = [next(stream), next(stream)]
+    assert all(not c.finished for c in first_chunks)
+    stream.close()  # cancels the call
+    wait_for(lambda: stack.frontend.servicer.engine.num_unfinished_requests == 0)
+    wait_for(stack.blocks_all_free)
+
+
+def test_deadline_exceeded_aborts_and_frees_blocks(stack):
+    error = error_of(lambda: list(stack.client.generate("Count with me", max_tokens=240,
+                                                        timeout_s=0.3, **GREEDY)))
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for(lambda: stack.frontend.servicer.engine.num_unfinished_requests == 0)
+    wait_for(stack.blocks_all_free)
+
+
+# ---------------------------------------------------------------- scheduler stream
+
+
+def test_no_worker_is_unavailable(loop, model_dir):
+    async def scenario() -> tuple[grpc.RpcError, str]:
+        scheduler = await start_scheduler()
+        frontend = await serve_frontend(frontend_config(model_dir, scheduler.address))
+        try:
+            await frontend.core.wait_connected(10)
+            with Client(frontend.address) as client:
+                error = await asyncio.to_thread(error_of, lambda: list(client.generate("hi")))
+            return error, await asyncio.to_thread(check_health, frontend.address)
+        finally:
+            await frontend.stop(0.5)
+            await scheduler.stop(0.5)
+
+    error, health = loop.run(scenario())
+    assert health == "SERVING"
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "no worker is registered" in error.details()
+
+
+def test_scheduler_stream_reconnects_and_in_flight_requests_fail_unavailable(loop, model_dir):
+    port = free_port()
+
+    async def scenario() -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        frontend = await serve_frontend(frontend_config(model_dir, f"127.0.0.1:{port}"))
+        client = Client(frontend.address, timeout_s=30)
+        try:
+            # No scheduler yet: NOT_SERVING, and requests fail fast.
+            seen["health_before"] = await asyncio.to_thread(check_health, frontend.address)
+            seen["before"] = await asyncio.to_thread(error_of, lambda: list(client.generate("hi")))
+            scheduler = await start_scheduler(port=port)
+            worker = start_worker(scheduler.address, model_dir, "w1")
+            await wait_for_workers(scheduler.address, ["w1"])
+            await frontend.core.wait_connected(10)
+            seen["health_connected"] = await asyncio.to_thread(check_health, frontend.address)
+            stream = client.generate("Count with me", max_tokens=240, **GREEDY)
+            await asyncio.to_thread(next, stream)
+            # The scheduler goes away with the request in flight.
+            await scheduler.stop(0.0, drain_workers=False)
+            seen["in_flight"] = await asyncio.to_thread(error_of, lambda: list(stream))
+            await worker.kill()
+            await asyncio.sleep(0.3)
+            seen["health_lost"] = await asyncio.to_thread(check_health, frontend.address)
+            # A new scheduler on the same address: the frontend dials it again.
+            scheduler = await start_scheduler(port=port)
+            worker = start_worker(scheduler.address, model_dir, "w2")
+            await frontend.core.wait_connected(10)
+            seen["health_again"] = await asyncio.to_thread(check_health, frontend.address)
+            await wait_for_workers(scheduler.address, ["w2"])
+            response = await asyncio.to_thread(final, client, "hi", max_tokens=3, **GREEDY)
+            seen["tokens_after"] = len(response.outputs[0].token_ids)
+            await scheduler.stop(1.0)
+            await asyncio.wait_for(worker.task, 10)
+        finally:
+            client.close()
+            await frontend.stop(0.5)
+        return seen
+
+    seen = loop.run(scenario(), timeout_s=90)
+    assert seen["health_before"] == "NOT_SERVING"
+    assert seen["before"].code() == grpc.StatusCode.UNAVAILABLE
+    assert seen["health_connected"] == "SERVING"
+    assert seen["in_flight"].code() == grpc.StatusCode.UNAVAILABLE
+    assert seen["health_lost"] == "NOT_SERVING"
+    assert seen["health_again"] == "SERVING"
+    assert seen["tokens_after"] == 3
