@@ -25,6 +25,11 @@ _WATCH_INTERVAL_S = 1.0
 
 
 def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    # Ignore any further SIGINT/SIGTERM first: a second signal arriving while
+    # the cluster is being stopped would otherwise abort the shutdown and
+    # leave the children running.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
@@ -107,7 +112,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # when leaving without a signal
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print("kvmesh: stopping...", flush=True)
         cluster.stop()

@@ -54,6 +54,9 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    # Otherwise gRPC counts every ping on an idle stream as a strike and, after
+    # two, sends GOAWAY "too_many_pings", breaking long-lived idle streams.
+    ("grpc.http2.max_ping_strikes", 0),
     ("grpc.http2.max_pings_without_data", 0),
 )
 

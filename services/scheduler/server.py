@@ -42,6 +42,9 @@ SERVER_OPTIONS = (
     ("grpc.http2.max_pings_without_data", 0),
     # Workers and frontends ping every 10 s; accept that.
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    # Otherwise gRPC counts every ping on an idle stream as a strike and, after
+    # two, sends GOAWAY "too_many_pings", breaking long-lived idle streams.
+    ("grpc.http2.max_ping_strikes", 0),
 )
 # Polling only happens while stopping: nothing on the serving path waits on it.
 _DRAIN_POLL_S = 0.02
