@@ -7,7 +7,7 @@ field names. ``to_proto``/``from_proto`` pairs round-trip exactly.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
 from kvmesh.v1 import api_pb2
@@ -323,16 +323,7 @@ def frontend_message_from_proto(msg: spb.FrontendMessage) -> EngineCoreRequest |
 
 
 def registration_message(r: WorkerRegistration) -> spb.WorkerMessage:
-    return spb.WorkerMessage(registration=spb.WorkerRegistration(
-        worker_id=r.worker_id,
-        model=r.model,
-        dtype=r.dtype,
-        block_size=r.block_size,
-        num_blocks=r.num_blocks,
-        max_model_len=r.max_model_len,
-        vocab_size=r.vocab_size,
-        eos_token_ids=r.eos_token_ids,
-    ))
+    return spb.WorkerMessage(registration=spb.WorkerRegistration(**asdict(r)))
 
 
 def runner_output_message(o: ModelRunnerOutput) -> spb.WorkerMessage:
@@ -346,16 +337,9 @@ def worker_message_from_proto(msg: spb.WorkerMessage) -> WorkerRegistration | Mo
         return model_runner_output_from_proto(msg.output)
     if kind == "registration":
         r = msg.registration
-        return WorkerRegistration(
-            worker_id=r.worker_id,
-            model=r.model,
-            dtype=r.dtype,
-            block_size=r.block_size,
-            num_blocks=r.num_blocks,
-            max_model_len=r.max_model_len,
-            vocab_size=r.vocab_size,
-            eos_token_ids=list(r.eos_token_ids),
-        )
+        registration = WorkerRegistration(**{f.name: getattr(r, f.name) for f in fields(WorkerRegistration)})
+        registration.eos_token_ids = list(registration.eos_token_ids)
+        return registration
     raise ValueError("WorkerMessage has no kind set, must be registration or output")
 
 

@@ -25,7 +25,7 @@ from services.common.engine import (
     FinishReason,
 )
 from services.common.model_files import DEFAULT_MODEL_NAME
-from services.scheduler.request import BlockHasher, Request
+from services.scheduler.request import Request
 from services.scheduler.router import RequestFactory, Router
 from services.scheduler.scheduler import Scheduler, SchedulerStats, WaitingQueueFullError
 from services.scheduler.worker_session import WorkerSession
@@ -303,20 +303,4 @@ def _requeued(old: Request) -> RequestFactory:
     uninterrupted stream.
     """
 
-    def make(hasher: BlockHasher | None) -> Request:
-        request = Request(
-            old.request_id,
-            old.prompt_token_ids,
-            old.sampling_params,
-            eos_token_id=old.eos_token_id,
-            arrival_time=old.arrival_time,
-            priority=old.priority,
-            cache_salt=old.cache_salt,
-            client_index=old.client_index,
-            block_hasher=hasher,
-        )
-        if old.output_token_ids:
-            request.append_output_token_ids(list(old.output_token_ids))
-        return request
-
-    return make
+    return old.copy_for_recompute

@@ -112,6 +112,28 @@ class Request:
             block_hasher=block_hasher,
         )
 
+    def copy_for_recompute(self, block_hasher: BlockHasher | None = None) -> Request:
+        """A fresh request with this one's prompt, parameters and outputs so far.
+
+        Used to re-place a request whose worker was lost: the new worker
+        recomputes every token; ``max_tokens`` and ``min_tokens`` keep counting
+        the outputs already produced.
+        """
+        request = Request(
+            self.request_id,
+            self.prompt_token_ids,
+            self.sampling_params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=self.arrival_time,
+            priority=self.priority,
+            cache_salt=self.cache_salt,
+            client_index=self.client_index,
+            block_hasher=block_hasher,
+        )
+        if self.output_token_ids:
+            request.append_output_token_ids(list(self.output_token_ids))
+        return request
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
