@@ -26,9 +26,19 @@ def _check_shapes(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tenso
 
 
 def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                          value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                          value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                          num_actual_tokens: int | None = None) -> None:
     """PyTorch reference of `reshape_and_cache` (same contract)."""
     _check_shapes(key, value, key_cache, value_cache, slot_mapping)
+    if num_actual_tokens is not None and _can_copy_rows(key, value, key_cache, value_cache):
+        # The real tokens are a prefix: one index_copy_ per cache, with no
+        # padding mask (whose boolean indexing syncs on every layer).
+        n = num_actual_tokens
+        slots = slot_mapping[:n]
+        row = key_cache.shape[2] * key_cache.shape[3]
+        key_cache.view(-1, row).index_copy_(0, slots, key[:n].reshape(n, row))
+        value_cache.view(-1, row).index_copy_(0, slots, value[:n].reshape(n, row))
+        return
     slots = slot_mapping[: key.shape[0]]
     keep = slots >= 0
     slots = slots[keep]
@@ -36,6 +46,12 @@ def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, key_cache: tor
     block_idx, block_offset = slots // block_size, slots % block_size
     key_cache[block_idx, block_offset] = key[keep].to(key_cache.dtype)
     value_cache[block_idx, block_offset] = value[keep].to(value_cache.dtype)
+
+
+def _can_copy_rows(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor) -> bool:
+    return (key_cache.is_contiguous() and value_cache.is_contiguous()
+            and key.dtype == key_cache.dtype and value.dtype == value_cache.dtype)
 
 
 def reshape_and_cache_triton(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -48,7 +64,8 @@ def reshape_and_cache_triton(key: torch.Tensor, value: torch.Tensor, key_cache: 
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      num_actual_tokens: int | None = None) -> None:
     """Store key[t] / value[t] at `slot_mapping[t]` of the paged caches, in place.
 
     Args:
@@ -56,9 +73,14 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
         key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
             (e.g. `kv_cache[0]`, `kv_cache[1]`); slot s is `[s // block_size, s % block_size]`.
         slot_mapping: int64 [>= num_tokens]; -1 marks a padding token, which is skipped.
+        num_actual_tokens: optional promise that tokens [0, num_actual_tokens)
+            are the real ones and every later one is padding (as the model
+            runner lays out a step); lets the CPU path skip the padding scan.
 
     Values are cast to the cache dtype. Slots not addressed are left bitwise untouched.
     Two real tokens must not share a slot (the scheduler never does that).
     """
-    fn = reshape_and_cache_triton if use_triton(key) else reshape_and_cache_ref
-    fn(key, value, key_cache, value_cache, slot_mapping)
+    if use_triton(key):
+        reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping, num_actual_tokens)

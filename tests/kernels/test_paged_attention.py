@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernels import paged_attention, paged_attention_ref, paged_attention_triton
+from kernels.paged_attention import PagedAttentionPlan, plan_paged_attention
 
 # Ragged batches: (q_lens, seq_lens). seq_len >= q_len; context = seq_len - q_len.
 DECODE_ONLY = ([1, 1, 1, 1], [1, 17, 40, 9])
@@ -191,3 +192,83 @@ def test_cuda_matches_dense(dtype, lens, block_size):
     tolerance = 1e-3 if dtype == torch.float32 else 2e-2
     assert max_rel_error(out[:n].cpu(), dense_causal_attention(batch, 0.125)[:n]) < tolerance
     assert torch.equal(out[n:].cpu(), torch.zeros_like(out[n:].cpu()))
+
+
+# The plan: index work done once per step and shared by every layer (CPU path).
+UNIFORM_DECODE = ([1, 1, 1], [32, 32, 32])      # whole blocks, no mask, no padded rows
+UNIFORM_DECODE_TAIL = ([1, 1], [20, 20])        # no mask; the last block's tail is cut off
+PLAN_CASES = [DECODE_ONLY, UNIFORM_DECODE, UNIFORM_DECODE_TAIL, MIXED]
+PLAN_IDS = ["decode", "uniform", "uniform-tail", "mixed"]
+
+
+def _plan_for(batch: Batch) -> PagedAttentionPlan:
+    _, block_size, num_kv_heads, head_size = batch.kv_cache.shape[1:]
+    return plan_paged_attention(batch.block_table, batch.query_start_loc, batch.seq_lens,
+                                batch.seq_lens.numel(), batch.num_actual_tokens, block_size,
+                                num_kv_heads, head_size)
+
+
+@pytest.mark.parametrize("lens", PLAN_CASES, ids=PLAN_IDS)
+def test_plan_matches_dense_causal(lens):
+    batch = make_batch(*lens, 16, 9, 3, 64, seed=12)
+    out = paged_attention_ref(*batch.args(0.125), out=_nan_out(batch), plan=_plan_for(batch))
+    n = batch.num_actual_tokens
+    assert max_rel_error(out[:n], dense_causal_attention(batch, 0.125)[:n]) < 1e-3
+    assert torch.equal(out[n:], torch.zeros_like(out[n:]))
+
+
+@pytest.mark.parametrize("lens", PLAN_CASES, ids=PLAN_IDS)
+def test_plan_shared_by_layers(lens):
+    # Two "layers": different queries and caches, one plan (and its reused gather
+    # buffers); each result must equal a call that builds its own plan.
+    first = make_batch(*lens, 16, 9, 3, 64, seed=13)
+    second = make_batch(*lens, 16, 9, 3, 64, seed=13)
+    gen = torch.Generator().manual_seed(14)
+    second.query = torch.randn(second.query.shape, generator=gen)
+    second.kv_cache = torch.randn(second.kv_cache.shape, generator=gen)
+    plan = _plan_for(first)
+    for batch in (first, second, first):
+        expected = paged_attention_ref(*batch.args(0.125))
+        assert torch.equal(paged_attention_ref(*batch.args(0.125), plan=plan), expected)
+
+
+def test_plan_decode_shapes():
+    # Uniform decode: one chunk, rows read as a slice, no mask, no rows to zero.
+    batch = make_batch(*UNIFORM_DECODE, 16, 9, 3, 64)
+    (chunk,) = _plan_for(batch).chunks
+    assert (chunk.num_reqs, chunk.max_k, chunk.blocks_per_req) == (3, 32, 2)
+    assert chunk.query_rows is None and chunk.mask is None and chunk.pad_rows is None
+    assert chunk.key_blocks.tolist() == batch.block_table[:3, :2].flatten().tolist()
+    # Ragged decode: blocks past a request's last one repeat its first block, and the
+    # rows past seq_len (below max_k = 40) are the ones zeroed.
+    batch = make_batch(*DECODE_ONLY, 16, 9, 3, 64)
+    (chunk,) = _plan_for(batch).chunks
+    table = batch.block_table
+    assert chunk.key_blocks.view(4, 3).tolist() == [
+        [table[0, 0], table[0, 0], table[0, 0]], [table[1, 0], table[1, 1], table[1, 0]],
+        table[2, :3].tolist(), [table[3, 0], table[3, 0], table[3, 0]],
+    ]
+    expected_pad = ([r for r in range(1, 40)] + [48 + r for r in range(17, 40)]
+                    + [144 + r for r in range(9, 40)])
+    assert chunk.pad_rows.tolist() == expected_pad
+    assert chunk.mask.shape == (4, 1, 1, 40)
+
+
+@pytest.mark.parametrize("lens", [DECODE_ONLY, UNIFORM_DECODE_TAIL], ids=["decode", "uniform-tail"])
+def test_plan_decode_ignores_nan_past_seq_len(lens):
+    # Decode copies whole blocks: NaN in the unwritten tail must still not leak.
+    batch = make_batch(*lens, 8, 4, 2, 32, seed=15)
+    expected = paged_attention_ref(*batch.args(0.2))
+    owned = torch.zeros(batch.kv_cache.shape[1:3], dtype=torch.bool)
+    for row, seq_len in enumerate(batch.seq_lens.tolist()):
+        pos = torch.arange(seq_len)
+        owned[batch.block_table[row, pos // 8].long(), pos % 8] = True
+    batch.kv_cache[:, ~owned] = float("nan")
+    assert torch.equal(paged_attention_ref(*batch.args(0.2), plan=_plan_for(batch)), expected)
+
+
+def test_plan_from_other_metadata_is_rejected():
+    batch = make_batch(*MIXED, 16, 9, 3, 64)
+    plan = _plan_for(make_batch(*DECODE_ONLY, 16, 9, 3, 64))
+    with pytest.raises(ValueError, match="plan for"):
+        paged_attention_ref(*batch.args(0.125), plan=plan)

@@ -103,3 +103,20 @@ def test_cuda_matches_expected(dtype):
     kv_cuda = kv_cache.cuda()
     reshape_and_cache(key.cuda(), value.cuda(), kv_cuda[0], kv_cuda[1], slots.cuda())
     assert torch.equal(kv_cuda.cpu(), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefix_of_real_tokens_path_equals_the_general_path(dtype):
+    """num_actual_tokens (real tokens first, padding after) writes what the mask path writes."""
+    gen = torch.Generator().manual_seed(3)
+    num_blocks, block_size, kv_heads, head_size, num_tokens, num_real = 9, 8, 3, 16, 12, 9
+    key = torch.randn(num_tokens, kv_heads, head_size, generator=gen).to(dtype)
+    value = torch.randn(num_tokens, kv_heads, head_size, generator=gen).to(dtype)
+    slots = torch.randperm((num_blocks - 1) * block_size, generator=gen)[:num_real] + block_size
+    slot_mapping = torch.cat([slots, torch.full((num_tokens - num_real,), -1)]).to(torch.int64)
+    caches = [torch.randn(2, num_blocks, block_size, kv_heads, head_size, generator=gen).to(dtype)
+              for _ in range(2)]
+    expected, actual = caches[0], caches[0].clone()
+    reshape_and_cache_ref(key, value, expected[0], expected[1], slot_mapping)
+    reshape_and_cache_ref(key, value, actual[0], actual[1], slot_mapping, num_actual_tokens=num_real)
+    assert torch.equal(actual, expected)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.paged_attention import paged_attention
+from kernels._dispatch import use_triton
+from kernels.paged_attention import PagedAttentionPlan, paged_attention, plan_paged_attention
 from kernels.reshape_and_cache import reshape_and_cache
 from services.worker.attention.metadata import AttentionMetadata
 
@@ -37,14 +38,29 @@ class Attention(nn.Module):
         key = key.view(num_tokens, self.num_kv_heads, self.head_size)
         value = value.view(num_tokens, self.num_kv_heads, self.head_size)
         key_cache, value_cache = kv_cache.unbind(0)
-        reshape_and_cache(key, value, key_cache, value_cache, attn_metadata.slot_mapping)
+        reshape_and_cache(key, value, key_cache, value_cache, attn_metadata.slot_mapping,
+                          attn_metadata.num_actual_tokens)
+        plan = None if use_triton(query) else self._plan(attn_metadata, key_cache)
         output = paged_attention(
             query, key_cache, value_cache,
             attn_metadata.block_table, attn_metadata.query_start_loc, attn_metadata.seq_lens,
             self.scale, attn_metadata.num_reqs, attn_metadata.num_actual_tokens,
-            attn_metadata.max_query_len, attn_metadata.max_seq_len,
+            attn_metadata.max_query_len, attn_metadata.max_seq_len, plan=plan,
         )
         return output.view(num_tokens, self.num_heads * self.head_size)
+
+    def _plan(self, attn_metadata: AttentionMetadata, key_cache: torch.Tensor) -> PagedAttentionPlan:
+        """The step's reference-path plan: built by the first layer, then shared, since
+        every layer sees the same block table and lengths (30 layers, one index pass)."""
+        plan = attn_metadata.paged_attention_plan
+        if plan is None:
+            plan = plan_paged_attention(
+                attn_metadata.block_table, attn_metadata.query_start_loc, attn_metadata.seq_lens,
+                attn_metadata.num_reqs, attn_metadata.num_actual_tokens, key_cache.shape[1],
+                self.num_kv_heads, self.head_size,
+            )
+            attn_metadata.paged_attention_plan = plan
+        return plan
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.paged_attention import PagedAttentionPlan
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -27,6 +29,9 @@ class AttentionMetadata:
             per logical block; read by attention to find every key and value.
         slot_mapping: int64 [num_tokens], the slot each token's K/V is written to
             (``block_id * block_size + position % block_size``), -1 for padding.
+        paged_attention_plan: the CPU attention path's index work for this step
+            (``plan_paged_attention``), built by the first layer and reused by the
+            others; None until then, and always None on the Triton path.
     """
 
     num_reqs: int
@@ -37,3 +42,4 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
+    paged_attention_plan: PagedAttentionPlan | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -25,6 +26,11 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One fused op, bitwise equal to the steps below when nothing is cast; it
+            # saves ~5 small ops per norm, 61 norms per step of a 30-layer model.
+            out = F.rms_norm(x, self.weight.shape, self.weight, self.variance_epsilon)
+            return out if residual is None else (out, residual)
         x_fp32 = x.float()
         variance = x_fp32.pow(2).mean(-1, keepdim=True)
         # Cast back before scaling by the weight, as the Llama reference does, so

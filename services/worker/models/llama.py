@@ -68,9 +68,12 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
-        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], -1)
-        q = apply_rotary_emb(q.view(num_tokens, self.num_heads, self.head_size), cos, sin)
-        k = apply_rotary_emb(k.view(num_tokens, self.num_kv_heads, self.head_size), cos, sin)
+        qk, v = self.qkv_proj(hidden_states).split([self.q_size + self.kv_size, self.kv_size], -1)
+        # q and k heads rotate by the same angles: one rotation over both halves the
+        # number of small elementwise ops per layer.
+        qk = apply_rotary_emb(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_size),
+                              cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], 1)
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
 
 
