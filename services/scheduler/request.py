@@ -98,8 +98,10 @@ class Request:
 
     @classmethod
     def from_engine_core_request(
-        cls, req: EngineCoreRequest, block_hasher: BlockHasher | None = None
+        cls, req: EngineCoreRequest | Request, block_hasher: BlockHasher | None = None
     ) -> Request:
+        """A new WAITING request with ``req``'s prompt and parameters (a Request
+        has the same attribute names, so it can be the source too)."""
         return cls(
             req.request_id,
             req.prompt_token_ids,
@@ -119,17 +121,7 @@ class Request:
         recomputes every token; ``max_tokens`` and ``min_tokens`` keep counting
         the outputs already produced.
         """
-        request = Request(
-            self.request_id,
-            self.prompt_token_ids,
-            self.sampling_params,
-            eos_token_id=self.eos_token_id,
-            arrival_time=self.arrival_time,
-            priority=self.priority,
-            cache_salt=self.cache_salt,
-            client_index=self.client_index,
-            block_hasher=block_hasher,
-        )
+        request = Request.from_engine_core_request(self, block_hasher)
         if self.output_token_ids:
             request.append_output_token_ids(list(self.output_token_ids))
         return request
