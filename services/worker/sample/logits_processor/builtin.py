@@ -32,6 +32,15 @@ def to_device_tensor(
     return cpu.to(device, non_blocking=True)
 
 
+def sparse_index(rows: list[int], token_ids: list[int], device: torch.device,
+                 pin_memory: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token id) pairs as two int64 tensors, for indexing a logits batch."""
+    return (
+        to_device_tensor(rows, torch.int64, device, pin_memory),
+        to_device_tensor(token_ids, torch.int64, device, pin_memory),
+    )
+
+
 class MinPLogitsProcessor(LogitsProcessor):
     """Drops tokens whose probability is below ``min_p * max_probability``.
 
@@ -101,16 +110,8 @@ class LogitBiasLogitsProcessor(LogitsProcessor):
         self._device = device
         self._pin_memory = is_pin_memory
         self._biases: dict[int, dict[int, float]] = {}
-        self._index = self._make_index([], [])
+        self._index = sparse_index([], [], device, is_pin_memory)
         self._values = to_device_tensor([], torch.float32, device, is_pin_memory)
-
-    def _make_index(
-        self, rows: list[int], token_ids: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return (
-            to_device_tensor(rows, torch.int64, self._device, self._pin_memory),
-            to_device_tensor(token_ids, torch.int64, self._device, self._pin_memory),
-        )
 
     def is_argmax_invariant(self) -> bool:
         return False
@@ -128,7 +129,7 @@ class LogitBiasLogitsProcessor(LogitsProcessor):
             rows.extend([row] * len(bias))
             token_ids.extend(int(t) for t in bias)
             values.extend(bias.values())
-        self._index = self._make_index(rows, token_ids)
+        self._index = sparse_index(rows, token_ids, self._device, self._pin_memory)
         self._values = to_device_tensor(values, torch.float32, self._device, self._pin_memory)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -153,16 +154,8 @@ class MinTokensLogitsProcessor(LogitsProcessor):
         self._pin_memory = is_pin_memory
         # row -> (min_tokens, live output token ids, stop token ids)
         self._min_toks: dict[int, tuple[int, list[int], tuple[int, ...]]] = {}
-        self._index = self._make_index([], [])
+        self._index = sparse_index([], [], device, is_pin_memory)
         self._neg_inf = torch.tensor(float("-inf"), dtype=torch.float32, device=device)
-
-    def _make_index(
-        self, rows: list[int], token_ids: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return (
-            to_device_tensor(rows, torch.int64, self._device, self._pin_memory),
-            to_device_tensor(token_ids, torch.int64, self._device, self._pin_memory),
-        )
 
     @classmethod
     def validate_params(cls, params: SamplingParams) -> None:
@@ -192,7 +185,7 @@ class MinTokensLogitsProcessor(LogitsProcessor):
         for row, (_, _, stop_ids) in self._min_toks.items():
             rows.extend([row] * len(stop_ids))
             token_ids.extend(stop_ids)
-        self._index = self._make_index(rows, token_ids)
+        self._index = sparse_index(rows, token_ids, self._device, self._pin_memory)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if self._min_toks:
