@@ -1,14 +1,17 @@
 """Runs one scheduler step on the model (vLLM V1's GPUModelRunner, CPU or CUDA).
 
 Per step: apply the SchedulerOutput diff to the persistent batch
-(``_update_states``), build the flattened inputs in CPU buffers and copy them to
-the device once (``_prepare_inputs``), run the model, compute logits only at
-each request's last scheduled token, sample, and record the sampled tokens
-(``execute_model``).
+(``_update_states``), build the flattened inputs in CPU buffers, pad them to
+the CUDA graph the dispatcher picks and copy them to the device once
+(``_prepare_inputs``), run the model, compute logits only at each request's
+last scheduled token, sample, and record the sampled tokens (``execute_model``).
+CUDA graphs are captured once, before the first step (``capture_model``).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,19 +22,33 @@ from torch import nn
 from services.common.engine import Logprobs
 from services.common.outputs import ModelRunnerOutput
 from services.common.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from services.worker.attention.backend import get_attention_backend
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.config import ModelConfig
+from services.worker.cudagraph import (
+    CUDAGraphMode,
+    CUDAGraphWrapper,
+    CudagraphDispatcher,
+    resolve_cudagraph_mode,
+)
+from services.worker.forward_context import BatchDescriptor, set_forward_context
 from services.worker.input_batch import CachedRequestState, InputBatch
 from services.worker.sample import Sampler, SamplerOutput, ThinkingConfig, compute_prompt_logprobs
+
+logger = logging.getLogger(__name__)
+# Query tokens per request in a uniform decode batch (no speculative decoding yet).
+UNIFORM_DECODE_QUERY_LEN = 1
 
 
 @dataclass(slots=True)
 class _StepInputs:
-    input_ids: torch.Tensor  # int64 [num_tokens] on the device
-    positions: torch.Tensor  # int64 [num_tokens] on the device
+    input_ids: torch.Tensor  # int64 [padded num_tokens] on the device
+    positions: torch.Tensor  # int64 [padded num_tokens] on the device
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # int64 [num_reqs]: each request's last scheduled token
     num_scheduled_tokens: np.ndarray  # int32 [num_reqs], in batch row order
+    cudagraph_runtime_mode: CUDAGraphMode
+    batch_descriptor: BatchDescriptor
 
 
 class _StagedBuffer:
@@ -57,6 +74,9 @@ class ModelRunner:
 
     ``requests`` keeps the state of every request the scheduler has placed here
     and not finished, including preempted ones that are out of the batch.
+    ``cudagraph_mode`` is downgraded to what the attention backend supports;
+    a mode other than NONE needs a CUDA device and ``capture_model()`` before
+    the first step.
     """
 
     def __init__(
@@ -72,6 +92,8 @@ class ModelRunner:
         device: torch.device,
         logitsprocs: Sequence[str | type] = (),
         thinking: ThinkingConfig | None = None,
+        cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE,
+        cudagraph_capture_sizes: Sequence[int] = (),  # each in [1, max_num_batched_tokens]
     ) -> None:
         self.model = model
         self.model_config = model_config
@@ -94,6 +116,33 @@ class ModelRunner:
         self.query_start_loc = _StagedBuffer(max_num_reqs + 1, torch.int32, self.device)
         self.seq_lens = _StagedBuffer(max_num_reqs, torch.int32, self.device)
         self.arange_np = np.arange(max(max_num_reqs, max_num_batched_tokens) + 1, dtype=np.int64)
+        self._init_cudagraphs(cudagraph_mode, list(cudagraph_capture_sizes))
+
+    def _init_cudagraphs(self, requested: CUDAGraphMode, capture_sizes: list[int]) -> None:
+        """Resolves the mode, builds the dispatcher and wraps the model (nothing captured yet)."""
+        if requested is not CUDAGraphMode.NONE and self.device.type != "cuda":
+            raise ValueError(f"cudagraph_mode {requested.name} needs a CUDA device, not "
+                             f"{self.device}; allowed on {self.device}: NONE")
+        support = get_attention_backend(self.device).cudagraph_support
+        mode = resolve_cudagraph_mode(
+            requested, support, piecewise_available=hasattr(self.model, "wrap_pieces"),
+            uniform_decode_query_len=UNIFORM_DECODE_QUERY_LEN,
+        )
+        self.cudagraph_mode = mode
+        self.cudagraph_dispatcher = CudagraphDispatcher(
+            mode, capture_sizes if mode is not CUDAGraphMode.NONE else [],
+            self.input_batch.max_num_reqs, UNIFORM_DECODE_QUERY_LEN,
+        )
+        # The callable each step runs: the model, or a FULL wrapper around it.
+        self._forward = self.model
+        if mode is CUDAGraphMode.NONE:
+            return
+        graph_pool = torch.cuda.graph_pool_handle()
+        if mode.has_piecewise_cudagraphs():
+            self.model.wrap_pieces(  # type: ignore[operator]
+                lambda piece: CUDAGraphWrapper(piece, CUDAGraphMode.PIECEWISE, graph_pool))
+        if mode.has_full_cudagraphs():
+            self._forward = CUDAGraphWrapper(self.model, CUDAGraphMode.FULL, graph_pool)
 
     # ------------------------------------------------------------------ states
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -169,8 +218,9 @@ class ModelRunner:
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> _StepInputs:
         """Flattened input ids, positions and attention metadata for the batch.
 
-        Built with numpy in the CPU staging buffers, then each buffer is copied
-        to the device once.
+        Built with numpy in the CPU staging buffers, padded to the CUDA graph
+        the dispatcher picks (nothing to pad when it picks NONE), then each
+        buffer is copied to the device once.
         """
         batch = self.input_batch
         num_reqs = batch.num_reqs
@@ -200,26 +250,101 @@ class ModelRunner:
         seq_lens_np = self.seq_lens.np[:num_reqs]
         np.add(batch.num_computed_tokens_cpu[:num_reqs], num_scheduled, out=seq_lens_np)
 
+        max_query_len = int(num_scheduled.max())
+        runtime_mode, key = self.cudagraph_dispatcher.dispatch(
+            num_tokens, num_reqs, uniform=max_query_len == UNIFORM_DECODE_QUERY_LEN
+        )
         batch.block_table.commit(num_reqs)
-        input_ids = self.input_ids.copy_to_device(num_tokens)
-        positions = self.positions.copy_to_device(num_tokens)
-        query_start_loc = self.query_start_loc.copy_to_device(num_reqs + 1)
-        seq_lens = self.seq_lens.copy_to_device(num_reqs)
-        slot_mapping = batch.block_table.compute_slot_mapping(
-            query_start_loc, positions, num_reqs, num_tokens
+        input_ids, positions, attn_metadata = self._pad_and_copy_inputs(
+            num_reqs, num_tokens, max_query_len, int(seq_lens_np.max()), runtime_mode, key
+        )
+        logits_indices = attn_metadata.query_start_loc[1 : num_reqs + 1].to(torch.int64) - 1
+        return _StepInputs(input_ids, positions, attn_metadata, logits_indices, num_scheduled,
+                           runtime_mode, key)
+
+    def _pad_and_copy_inputs(
+        self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int,
+        runtime_mode: CUDAGraphMode, key: BatchDescriptor, write_kv: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Pads the staged batch to ``key``, copies it to the device, builds the metadata.
+
+        Padding tokens (``num_tokens`` up to ``key.num_tokens``) get input id 0,
+        position 0 and slot -1, and attention leaves them out. A FULL graph's
+        attention is part of the graph, so its metadata takes the key's shape:
+        ``key.num_reqs`` requests (the padding ones empty) and the query length
+        its kernels were captured for. ``write_kv`` False gives every token slot
+        -1 (dummy runs).
+        """
+        padded_tokens = key.num_tokens
+        self.input_ids.np[num_tokens:padded_tokens] = 0
+        self.positions.np[num_tokens:padded_tokens] = 0
+        attn_reqs = num_reqs
+        if runtime_mode is CUDAGraphMode.FULL:
+            attn_reqs = key.num_reqs
+            self.query_start_loc.np[num_reqs + 1 : attn_reqs + 1] = num_tokens
+            self.seq_lens.np[num_reqs:attn_reqs] = 0
+            max_query_len = UNIFORM_DECODE_QUERY_LEN if key.uniform else padded_tokens
+        input_ids = self.input_ids.copy_to_device(padded_tokens)
+        positions = self.positions.copy_to_device(padded_tokens)
+        query_start_loc = self.query_start_loc.copy_to_device(attn_reqs + 1)
+        seq_lens = self.seq_lens.copy_to_device(attn_reqs)
+        block_table = self.input_batch.block_table
+        slot_mapping = block_table.compute_slot_mapping(
+            query_start_loc, positions, num_reqs, num_tokens if write_kv else 0
         )
         attn_metadata = AttentionMetadata(
-            num_reqs=num_reqs,
+            num_reqs=attn_reqs,
             num_actual_tokens=num_tokens,
-            max_query_len=int(num_scheduled.max()),
-            max_seq_len=int(seq_lens_np.max()),
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
-            block_table=batch.block_table.get_device_tensor(num_reqs),
+            block_table=block_table.get_device_tensor(attn_reqs),
             slot_mapping=slot_mapping,
         )
-        logits_indices = query_start_loc[1:].to(torch.int64) - 1
-        return _StepInputs(input_ids, positions, attn_metadata, logits_indices, num_scheduled)
+        return input_ids, positions, attn_metadata
+
+    # ----------------------------------------------------------- CUDA graphs
+    @torch.inference_mode()
+    def capture_model(self) -> None:
+        """Captures every graph the dispatcher lists, largest first, each after an eager
+        warm-up run of the same shape (which compiles its kernels before capture)."""
+        keys = self.cudagraph_dispatcher.keys_to_capture()
+        if not keys:
+            return
+        start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        for runtime_mode, key in keys:
+            self._dummy_run(key, runtime_mode, capture=False)
+            self._dummy_run(key, runtime_mode, capture=True)
+        torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        logger.info("captured %d CUDA graph keys (mode %s) in %.1f s, %.2f GiB",
+                    len(keys), self.cudagraph_mode.name, time.perf_counter() - start, used / 2**30)
+
+    def _dummy_run(self, key: BatchDescriptor, graph_mode: CUDAGraphMode, capture: bool) -> torch.Tensor:
+        """A forward pass over a made-up batch shaped like ``key``, writing no KV.
+
+        Its attention metadata is what a real batch dispatched to (``graph_mode``,
+        ``key``) gets; it runs eagerly unless ``capture``, when the graph is
+        captured (on the wrapper's first sight of the key) and replayed.
+        """
+        num_reqs, num_tokens = key.num_reqs, key.num_tokens
+        # One token per request, the first request taking the rest: uniform when equal.
+        query_lens = np.ones(num_reqs, dtype=np.int32)
+        query_lens[0] += num_tokens - num_reqs
+        self.input_ids.np[:num_tokens] = 0
+        self.positions.np[:num_tokens] = 0
+        self.query_start_loc.np[0] = 0
+        np.cumsum(query_lens, out=self.query_start_loc.np[1 : num_reqs + 1])
+        self.seq_lens.np[:num_reqs] = query_lens
+        max_query_len = int(query_lens.max())
+        input_ids, positions, attn_metadata = self._pad_and_copy_inputs(
+            num_reqs, num_tokens, max_query_len, max_query_len, graph_mode, key, write_kv=False,
+        )
+        runtime_mode = graph_mode if capture else CUDAGraphMode.NONE
+        with set_forward_context(runtime_mode, key):
+            return self._forward(input_ids, positions, self.kv_caches, attn_metadata)
 
     # ----------------------------------------------------------------- execute
     @torch.inference_mode()
@@ -235,9 +360,10 @@ class ModelRunner:
         if num_reqs == 0 or scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(step_id=scheduler_output.step_id)
         inputs = self._prepare_inputs(scheduler_output)
-        hidden_states = self.model(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
-        )
+        with set_forward_context(inputs.cudagraph_runtime_mode, inputs.batch_descriptor):
+            hidden_states = self._forward(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
+            )
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
         sampling_metadata = self.input_batch.sampling_state.make_sampling_metadata(num_reqs)
         sampler_output = self.sampler(logits, sampling_metadata)

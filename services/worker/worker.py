@@ -17,6 +17,8 @@ from services.common.model_files import DEFAULT_MODEL_NAME, resolve_model_dir
 from services.common.outputs import ModelRunnerOutput
 from services.common.scheduler_output import SchedulerOutput
 from services.worker.config import ModelConfig
+from services.worker.cudagraph import CUDAGraphMode, default_capture_sizes
+from services.worker.cudagraph.dispatcher import DEFAULT_MAX_CAPTURE_SIZE
 from services.worker.kv_cache import KVCacheSpec, allocate_kv_caches, determine_num_blocks
 from services.worker.model_loader import load_model
 from services.worker.model_runner import ModelRunner
@@ -37,6 +39,12 @@ class WorkerConfig:
     ``thinking`` names the think start/end tokens for ``thinking_token_budget``.
     ``num_threads`` sets torch's intra-op threads (None: torch's default, one
     per physical core).
+    ``cudagraph_mode``: NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or
+    FULL_AND_PIECEWISE; None is FULL_AND_PIECEWISE on CUDA and NONE on the CPU
+    (where any other mode is an error). Graphs are captured for
+    ``cudagraph_capture_sizes`` token counts, by default 1, 2, 4, 8, then steps
+    of 8 (16 past 256) up to ``max_cudagraph_capture_size`` (default
+    min(512, 2 * max_num_seqs, max_num_batched_tokens)).
     """
 
     model: str | None = None
@@ -52,6 +60,9 @@ class WorkerConfig:
     logits_processors: list[str] = field(default_factory=list)
     thinking: ThinkingConfig | None = None
     num_threads: int | None = None
+    cudagraph_mode: str | None = None
+    cudagraph_capture_sizes: list[int] | None = None
+    max_cudagraph_capture_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -62,6 +73,32 @@ class WorkerConfig:
             raise ValueError(f"num_threads is {self.num_threads}, must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len is {self.max_model_len}, must be >= 2")
+        mode = self.resolved_cudagraph_mode()
+        if mode is not CUDAGraphMode.NONE and torch.device(self.device).type != "cuda":
+            raise ValueError(f"cudagraph_mode {mode.name} needs a CUDA device, not "
+                             f"{self.device!r}; allowed on the CPU: NONE")
+        sizes = list(self.cudagraph_capture_sizes or [])
+        if self.max_cudagraph_capture_size is not None:
+            sizes.append(self.max_cudagraph_capture_size)
+        bad = [s for s in sizes if not 1 <= s <= self.max_num_batched_tokens]
+        if bad:
+            raise ValueError(f"CUDA graph capture sizes {bad} are out of range; allowed range is "
+                             f"[1, {self.max_num_batched_tokens}] (max_num_batched_tokens)")
+
+    def resolved_cudagraph_mode(self) -> CUDAGraphMode:
+        """The mode asked for, or the device's default when none was."""
+        if self.cudagraph_mode is not None:
+            return CUDAGraphMode.parse(self.cudagraph_mode)
+        is_cuda = torch.device(self.device).type == "cuda"
+        return CUDAGraphMode.FULL_AND_PIECEWISE if is_cuda else CUDAGraphMode.NONE
+
+    def resolved_capture_sizes(self) -> list[int]:
+        """The token counts to capture graphs for (see the class docstring)."""
+        if self.cudagraph_capture_sizes is not None:
+            return sorted(set(self.cudagraph_capture_sizes))
+        largest = self.max_cudagraph_capture_size or min(
+            DEFAULT_MAX_CAPTURE_SIZE, 2 * self.max_num_seqs, self.max_num_batched_tokens)
+        return default_capture_sizes(largest)
 
 
 @dataclass(slots=True)
@@ -134,7 +171,10 @@ class Worker:
             device=self.device,
             logitsprocs=self.config.logits_processors,
             thinking=self.config.thinking,
+            cudagraph_mode=self.config.resolved_cudagraph_mode(),
+            cudagraph_capture_sizes=self.config.resolved_capture_sizes(),
         )
+        self.model_runner.capture_model()
         return num_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

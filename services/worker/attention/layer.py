@@ -30,9 +30,11 @@ class Attention(nn.Module):
         self.scale = scale
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """query [T, num_heads * head_size], key/value [T, num_kv_heads * head_size]
-        (or already split into heads) -> [T, num_heads * head_size]."""
+        (or already split into heads) -> [T, num_heads * head_size], written into
+        ``out`` when given (a static buffer under CUDA graphs)."""
         num_tokens = query.shape[0]
         query = query.view(num_tokens, self.num_heads, self.head_size)
         key = key.view(num_tokens, self.num_kv_heads, self.head_size)
@@ -41,11 +43,13 @@ class Attention(nn.Module):
         reshape_and_cache(key, value, key_cache, value_cache, attn_metadata.slot_mapping,
                           attn_metadata.num_actual_tokens)
         plan = None if use_triton(query) else self._plan(attn_metadata, key_cache)
+        if out is not None:
+            out = out.view(num_tokens, self.num_heads, self.head_size)
         output = paged_attention(
             query, key_cache, value_cache,
             attn_metadata.block_table, attn_metadata.query_start_loc, attn_metadata.seq_lens,
             self.scale, attn_metadata.num_reqs, attn_metadata.num_actual_tokens,
-            attn_metadata.max_query_len, attn_metadata.max_seq_len, plan=plan,
+            attn_metadata.max_query_len, attn_metadata.max_seq_len, out=out, plan=plan,
         )
         return output.view(num_tokens, self.num_heads * self.head_size)
 

@@ -15,11 +15,13 @@ class AttentionMetadata:
 
     Requests are laid out back to back (no padding between them); request ``r``'s
     tokens are rows ``query_start_loc[r]:query_start_loc[r + 1]``. Rows from
-    ``num_actual_tokens`` on are padding (CUDA graph sizes): their slot is -1, so
-    nothing is written for them, and their attention output is zero.
+    ``num_actual_tokens`` on are padding to a CUDA graph size: their slot is -1,
+    so nothing is written for them, and no request attends from them. For a
+    FULL graph the batch is also padded with empty requests (``query_start_loc``
+    repeats its last value, ``seq_lens`` is 0) up to the graph's request count.
 
     Attributes:
-        num_reqs: requests in the batch.
+        num_reqs: requests in the batch, empty padding requests included.
         num_actual_tokens: scheduled tokens, without padding.
         max_query_len: most tokens any request has in this step.
         max_seq_len: longest ``seq_lens`` entry.

@@ -9,7 +9,9 @@ by ``load_weights``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -65,8 +67,9 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_size, self.head_size ** -0.5,
                               self.num_kv_heads)
 
-    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def qkv(self, hidden_states: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projects and rotates: (q [T, heads, head], k [T, kv_heads, head], v [T, kv_heads * head])."""
         num_tokens = hidden_states.shape[0]
         qk, v = self.qkv_proj(hidden_states).split([self.q_size + self.kv_size, self.kv_size], -1)
         # q and k heads rotate by the same angles: one rotation over both halves the
@@ -74,7 +77,7 @@ class LlamaAttention(nn.Module):
         qk = apply_rotary_emb(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_size),
                               cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], 1)
-        return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
+        return q, k, v
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -86,16 +89,22 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.mlp = LlamaMLP(config, device)
 
-    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
-                cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (mlp output, residual stream); the caller adds them in the next norm."""
+    def pre_attention(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                      cos: torch.Tensor, sin: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Norm (after adding the residual) and q/k/v: returns (q, k, v, residual stream)."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states, cos, sin, kv_cache, attn_metadata)
+        q, k, v = self.self_attn.qkv(hidden_states, cos, sin)
+        return q, k, v, residual
+
+    def post_attention(self, attn_output: torch.Tensor,
+                       residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (mlp output, residual stream); the caller adds them in the next norm."""
+        hidden_states = self.self_attn.o_proj(attn_output)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -111,19 +120,54 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.head_size, config.max_position_embeddings,
                                           config.rope_theta, config.rope_scaling,
                                           config.dtype, device)
+        # The forward pass between attention calls, in order. A runner may replace
+        # each piece with a PIECEWISE CUDA graph wrapper (``wrap_pieces``);
+        # attention always runs between them, outside any piecewise graph.
+        self.pieces: list[Callable[..., Any]] = [
+            self._first_piece,
+            *(functools.partial(self._middle_piece, i) for i in range(1, config.num_layers)),
+            self._last_piece,
+        ]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches, need one per layer ({len(self.layers)})")
+        q, k, v, attn_output, residual, cos, sin = self.pieces[0](input_ids, positions)
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.attn(q, k, v, kv_caches[i], attn_metadata, out=attn_output)
+            if i + 1 < len(self.layers):
+                q, k, v, attn_output, residual = self.pieces[i + 1](attn_output, residual, cos, sin)
+        return self.pieces[-1](attn_output, residual)
+
+    def _first_piece(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Embedding and layer 0 up to attention: (q, k, v, attention output buffer,
+        residual, cos, sin)."""
         hidden_states = self.embed_tokens(input_ids)
         # Every layer rotates by the same positions: gather cos/sin once per step.
         cos, sin = self.rotary_emb(positions)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden_states, residual = layer(hidden_states, residual, cos, sin, kv_cache, attn_metadata)
+        q, k, v, residual = self.layers[0].pre_attention(hidden_states, None, cos, sin)
+        return q, k, v, _attention_output(q), residual, cos, sin
+
+    def _middle_piece(self, i: int, attn_output: torch.Tensor, residual: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Layer i - 1 after attention, layer i up to it: (q, k, v, attention output
+        buffer, residual)."""
+        hidden_states, residual = self.layers[i - 1].post_attention(attn_output, residual)
+        q, k, v, residual = self.layers[i].pre_attention(hidden_states, residual, cos, sin)
+        return q, k, v, _attention_output(q), residual
+
+    def _last_piece(self, attn_output: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last layer after attention and the final norm: hidden states [T, hidden]."""
+        hidden_states, residual = self.layers[-1].post_attention(attn_output, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+
+def _attention_output(q: torch.Tensor) -> torch.Tensor:
+    # Allocated in the piece before attention (vLLM's attention-with-output), so that
+    # under PIECEWISE graphs it is a static buffer the attention call writes in place.
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
 class LlamaForCausalLM(nn.Module):
@@ -154,6 +198,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def wrap_pieces(self, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        """Replaces each piece of the forward pass between attention calls with ``wrap(piece)``."""
+        self.model.pieces = [wrap(piece) for piece in self.model.pieces]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> float32 [n, vocab_size]."""
