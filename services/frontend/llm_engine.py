@@ -50,6 +50,7 @@ class EngineArgs:
     logits_processors: list[str] = field(default_factory=list)
     stream_interval: int = 1
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    cudagraph_mode: str | None = None
 
     def worker_config(self) -> WorkerConfig:
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -59,6 +60,7 @@ class EngineArgs:
             num_kv_blocks=self.num_kv_blocks, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, logits_processors=list(self.logits_processors),
+            cudagraph_mode=self.cudagraph_mode,
         )
 
 

@@ -335,6 +335,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerServiceConfig, argp
     p.add_argument("--think-start-token-ids", type=int, nargs="+", default=None)
     p.add_argument("--think-end-token-ids", type=int, nargs="+", default=None)
     p.add_argument("--num-threads", type=int, default=d.num_threads)
+    p.add_argument("--cudagraph-mode", default=d.cudagraph_mode,
+                   help="NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or FULL_AND_PIECEWISE; "
+                        "default FULL_AND_PIECEWISE on cuda, NONE on cpu")
+    p.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=d.cudagraph_capture_sizes)
+    p.add_argument("--max-cudagraph-capture-size", type=int, default=d.max_cudagraph_capture_size)
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     thinking = None
@@ -355,6 +360,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerServiceConfig, argp
         logits_processors=args.logits_processors,
         thinking=thinking,
         num_threads=args.num_threads,
+        cudagraph_mode=args.cudagraph_mode,
+        cudagraph_capture_sizes=args.cudagraph_capture_sizes,
+        max_cudagraph_capture_size=args.max_cudagraph_capture_size,
     )
     config = WorkerServiceConfig(
         scheduler_address=args.scheduler_address,
