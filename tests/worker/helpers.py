@@ -36,7 +36,9 @@ def save_tiny_model(path: Path, arch: str) -> Path:
 
 
 def make_worker(model_dir: Path, **overrides) -> Worker:
-    config = WorkerConfig(model=str(model_dir), dtype="float32", max_model_len=256, **overrides)
+    """A worker on the tiny checkpoint: float32, max_model_len 256 unless overridden."""
+    overrides = {"dtype": "float32", "max_model_len": 256, **overrides}
+    config = WorkerConfig(model=str(model_dir), **overrides)
     worker = Worker(config)
     worker.load_model()
     worker.initialize_kv_cache()

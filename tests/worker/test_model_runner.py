@@ -303,3 +303,30 @@ def test_smollm2_batch_of_four(smollm2):
     result = run_engine(make_scheduler(worker), worker, arrivals)
     for i, prompt in enumerate(prompts):
         assert result.token_ids[f"q{i}"] == hf_greedy(hf, prompt, 24), texts[i]
+
+
+# Two rounding steps of a logit of magnitude ~4-8 (bfloat16 has 8 mantissa bits, float16 11).
+HALF_PRECISION_TIE_MARGIN = {torch.bfloat16: 0.0625, torch.float16: 0.0078125}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_kv_cache_matches_hf(tiny_model_dir, dtype):
+    """A bfloat16/float16 model keeps its KV cache in that dtype and decodes like transformers.
+
+    Half precision rounds differently in the two attention implementations, so a
+    near-tie may go either way: every token must be transformers' argmax given the
+    same prefix, or within a rounding margin of it.
+    """
+    name = str(dtype).removeprefix("torch.")
+    worker = make_worker(tiny_model_dir, dtype=name)
+    assert {cache.dtype for cache in worker.model_runner.kv_caches} == {dtype}
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype).eval()
+    prompts = random_prompts([13, 6, 21], seed=4)
+    arrivals = [(i, greedy_request(f"r{i}", prompt, 8)) for i, prompt in enumerate(prompts)]
+    result = run_engine(make_scheduler(worker), worker, arrivals)
+    for i, prompt in enumerate(prompts):
+        tokens = result.token_ids[f"r{i}"]
+        with torch.inference_mode():
+            logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+        shortfall = logits.max(-1).values - logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        assert len(tokens) == 8 and shortfall.max() <= HALF_PRECISION_TIE_MARGIN[dtype]
