@@ -7,7 +7,7 @@ field names. ``to_proto``/``from_proto`` pairs round-trip exactly.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from typing import TYPE_CHECKING
 
 from kvmesh.v1 import api_pb2
@@ -22,6 +22,7 @@ from services.common.engine import (
     Logprobs,
 )
 from services.common.outputs import ModelRunnerOutput
+from services.common.registration import WorkerRegistration
 from services.common.sampling_params import RequestOutputKind, SamplingParams
 from services.common.scheduler_output import (
     CachedRequestData,
@@ -288,20 +289,6 @@ def model_runner_output_from_proto(msg: pb.ModelRunnerOutput) -> ModelRunnerOutp
 
 
 # ---------------------------------------------------------------- scheduler.proto envelopes
-
-
-@dataclass(slots=True)
-class WorkerRegistration:
-    """What a worker reports when it dials the scheduler (kvmesh.v1.WorkerRegistration)."""
-
-    worker_id: str
-    model: str
-    dtype: str
-    block_size: int
-    num_blocks: int  # includes the null block 0
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: list[int]
 
 
 def add_request_message(r: EngineCoreRequest) -> spb.FrontendMessage:

@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from services.common.engine import EngineCoreOutputs, EngineCoreRequest
+from services.common.registration import WorkerRegistration
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_store import KVStore
 from services.scheduler.request import RequestStatus
 from services.scheduler.scheduler import Scheduler
-from services.worker.worker import Worker, WorkerConfig, WorkerInfo
+from services.worker.worker import Worker, WorkerConfig
 
 
 class InprocEngineCore:
@@ -52,7 +53,7 @@ class InprocEngineCore:
         return cls(Scheduler(config, store), worker)
 
     @property
-    def worker_info(self) -> WorkerInfo:
+    def worker_info(self) -> WorkerRegistration:
         return self.worker.registration_info()
 
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import grpc
 import redis
 
-from services.common.convert import WorkerRegistration
+from services.common.registration import WorkerRegistration
 from services.common.engine import (
     EngineCoreOutput,
     EngineCoreOutputs,

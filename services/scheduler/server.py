@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services.common.convert import WorkerRegistration
+from services.common.registration import WorkerRegistration
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.request_queue import SchedulingPolicy
@@ -57,8 +57,8 @@ class SchedulerServiceConfig:
     ``port`` 0 picks a free port (``SchedulerServer.port`` tells which).
     ``redis_url`` None keeps the KV mirror in memory. ``model`` namespaces the
     Redis keys and must equal what workers report; None adopts the first
-    worker's. The scheduling fields apply to every worker's Scheduler and
-    must not exceed the worker's own ``max_num_seqs`` / ``max_num_batched_tokens``.
+    worker's. The scheduling fields apply to every worker's Scheduler, each
+    capped by the ``max_num_seqs`` / ``max_num_batched_tokens`` the worker reports.
     ``max_num_waiting`` bounds each worker's waiting queue (0: unbounded).
     ``load_weight_tokens``: how many prefix-hit tokens one queued request on a
     worker is worth when placing requests (see router.Router).
@@ -86,13 +86,16 @@ class SchedulerServiceConfig:
         self.scheduler_config(WorkerRegistration("probe", "", "", 1, 2, 2, 1, []), 0)
 
     def scheduler_config(self, registration: WorkerRegistration, engine_index: int) -> SchedulerConfig:
-        """One worker's SchedulerConfig: its pool geometry and length, our limits."""
+        """One worker's SchedulerConfig: its pool geometry and length, our limits capped
+        by its own."""
         return SchedulerConfig(
             num_blocks=registration.num_blocks,
             block_size=registration.block_size,
             max_model_len=registration.max_model_len,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
+            # Never more than the worker's batch buffers hold.
+            max_num_batched_tokens=min(self.max_num_batched_tokens,
+                                       registration.max_num_batched_tokens or self.max_num_batched_tokens),
+            max_num_seqs=min(self.max_num_seqs, registration.max_num_seqs or self.max_num_seqs),
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             policy=self.policy,
             enable_prefix_caching=self.enable_prefix_caching,

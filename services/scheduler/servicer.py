@@ -15,12 +15,12 @@ import grpc
 from kvmesh.v1 import api_pb2, engine_pb2, scheduler_pb2_grpc
 from kvmesh.v1 import scheduler_pb2 as spb
 from services.common.convert import (
-    WorkerRegistration,
     cluster_stats_to_proto,
     engine_core_outputs_to_proto,
     frontend_message_from_proto,
     worker_message_from_proto,
 )
+from services.common.registration import WorkerRegistration
 from services.common.engine import EngineCoreRequest
 from services.common.outputs import ModelRunnerOutput
 from services.scheduler.engine_core import ClientStream, EngineCore, RegistrationError

@@ -30,7 +30,6 @@ from grpc_reflection.v1alpha import reflection
 
 from kvmesh.v1 import scheduler_pb2_grpc
 from services.common.convert import (
-    WorkerRegistration,
     registration_ack_from_proto,
     registration_message,
     runner_output_message,
@@ -228,17 +227,8 @@ class WorkerService:
                 call.cancel()
 
     async def _register(self, call: grpc.aio.StreamStreamCall) -> None:
-        info = self.worker.registration_info()
-        await call.write(registration_message(WorkerRegistration(
-            worker_id=self.config.worker_id,
-            model=info.model_name,
-            dtype=info.dtype,
-            block_size=info.block_size,
-            num_blocks=info.num_blocks,
-            max_model_len=info.max_model_len,
-            vocab_size=info.vocab_size,
-            eos_token_ids=info.eos_token_ids,
-        )))
+        registration = self.worker.registration_info(self.config.worker_id)
+        await call.write(registration_message(registration))
         ack = await call.read()
         if ack is grpc.aio.EOF:
             raise _SchedulerLost("the scheduler ended the stream before acknowledging")

@@ -15,6 +15,7 @@ from torch import nn
 
 from services.common.model_files import DEFAULT_MODEL_NAME, resolve_model_dir
 from services.common.outputs import ModelRunnerOutput
+from services.common.registration import WorkerRegistration
 from services.common.scheduler_output import SchedulerOutput
 from services.worker.config import ModelConfig
 from services.worker.cudagraph import CUDAGraphMode, default_capture_sizes
@@ -101,21 +102,6 @@ class WorkerConfig:
         return default_capture_sizes(largest)
 
 
-@dataclass(slots=True)
-class WorkerInfo:
-    """What a worker tells the scheduler when it registers."""
-
-    model_name: str
-    dtype: str
-    block_size: int
-    num_blocks: int  # includes the null block 0
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: list[int]
-    max_num_seqs: int
-    max_num_batched_tokens: int
-
-
 class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
@@ -182,11 +168,13 @@ class Worker:
             raise RuntimeError("execute_model() needs initialize_kv_cache() first")
         return self.model_runner.execute_model(scheduler_output)
 
-    def registration_info(self) -> WorkerInfo:
+    def registration_info(self, worker_id: str = "") -> WorkerRegistration:
+        """What this worker registers with the scheduler as ``worker_id``."""
         if self.model_config is None or self.model_runner is None:
             raise RuntimeError("registration_info() needs load_model() and initialize_kv_cache()")
-        return WorkerInfo(
-            model_name=self.model_name,
+        return WorkerRegistration(
+            worker_id=worker_id,
+            model=self.model_name,
             dtype=str(self.model_config.dtype).removeprefix("torch."),
             block_size=self.config.block_size,
             num_blocks=self.num_blocks,

@@ -15,6 +15,8 @@ from grpc_health.v1 import health_pb2
 
 from kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.engine import FinishReason
+from services.common.registration import WorkerRegistration
+from services.scheduler.server import SchedulerServiceConfig
 from tests.grpc_utils import (
     NUM_KV_BLOCKS,
     FrontendClient,
@@ -332,3 +334,16 @@ def test_stop_drains_not_serving_refuses_new_work_and_releases_workers(model_dir
     assert (late.status_code, late.finish_message) == (UNAVAILABLE, "the scheduler is shutting down")
     assert (long.finish_reason, long.status_code) == (FinishReason.ABORT, UNAVAILABLE)
     assert 1 <= len(client.tokens["long"]) < 480
+
+
+def test_worker_limits_cap_the_schedulers_per_worker():
+    config = SchedulerServiceConfig(max_num_seqs=64, max_num_batched_tokens=4096)
+    small = WorkerRegistration("w", "m", "float32", 16, 100, 512, 256, [2],
+                               max_num_seqs=8, max_num_batched_tokens=512)
+    capped = config.scheduler_config(small, engine_index=1)
+    assert (capped.max_num_seqs, capped.max_num_batched_tokens) == (8, 512)
+    assert (capped.num_blocks, capped.block_size, capped.max_model_len) == (100, 16, 512)
+    # A worker that reports no limits (0) gets the scheduler's.
+    unreported = WorkerRegistration("w", "m", "float32", 16, 100, 512, 256, [2])
+    defaults = config.scheduler_config(unreported, engine_index=2)
+    assert (defaults.max_num_seqs, defaults.max_num_batched_tokens) == (64, 4096)

@@ -14,13 +14,13 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from services.common.convert import (
-    WorkerRegistration,
     drain_message,
     registration_message,
     scheduler_message_from_proto,
     step_message,
     worker_message_from_proto,
 )
+from services.common.registration import WorkerRegistration
 from services.common.redis_server import free_port
 from services.common.scheduler_output import SchedulerOutput
 from services.scheduler.server import SchedulerServer
@@ -62,7 +62,8 @@ async def generate(server: SchedulerServer, request) -> tuple[list[int], int]:
 
 
 def test_registration_and_scheduler_messages_round_trip():
-    registration = WorkerRegistration("w0", "m", "float32", 16, 64, 256, 256, [2, 3])
+    registration = WorkerRegistration("w0", "m", "float32", 16, 64, 256, 256, [2, 3],
+                                      max_num_seqs=8, max_num_batched_tokens=512)
     assert worker_message_from_proto(registration_message(registration)) == registration
     assert scheduler_message_from_proto(drain_message()) is None
     step = SchedulerOutput(finished_req_ids={"a"}, step_id=9)

@@ -1,0 +1,27 @@
+"""`WorkerRegistration`: what a worker reports when it dials the scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class WorkerRegistration:
+    """A worker's model and KV pool (kvmesh.v1.WorkerRegistration).
+
+    The scheduler builds that worker's block pool from ``num_blocks`` and
+    ``block_size`` and never schedules more than ``max_num_seqs`` requests or
+    ``max_num_batched_tokens`` tokens per step on it (0: not reported, the
+    scheduler's own limits apply).
+    """
+
+    worker_id: str
+    model: str
+    dtype: str
+    block_size: int
+    num_blocks: int  # includes the null block 0
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
