@@ -60,7 +60,7 @@ def test_worker_registration_and_kv_sizing(tiny_model_dir):
     assert (info.num_blocks, info.block_size, info.max_model_len) == (128, 16, 256)
     assert (info.vocab_size, info.dtype, info.max_num_seqs) == (VOCAB_SIZE, "float32", 128)
     assert info.eos_token_ids == ([2] if is_llama else [])  # LlamaConfig's default eos
-    assert info.model_name == str(tiny_model_dir)
+    assert info.model == str(tiny_model_dir)
     assert [tuple(c.shape) for c in worker.model_runner.kv_caches] == [(2, 128, 16, 2, 16)] * 2
 
     default_len = Worker(WorkerConfig(model=str(tiny_model_dir), dtype="float32"))
