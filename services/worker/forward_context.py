@@ -2,15 +2,14 @@
 
 The model runner decides, once per step, the runtime mode (NONE, PIECEWISE or
 FULL) and the padded batch's `BatchDescriptor` (the CudagraphDispatcher's
-answer), and sets them here for the duration of the forward pass. Wrappers
-trust it: they never decide on their own whether a graph exists.
+answer), and sets them in its `ForwardContext` for the duration of the forward
+pass. Wrappers trust it: they never decide on their own whether a graph exists.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from services.worker.cudagraph.mode import CUDAGraphMode
@@ -33,33 +32,29 @@ class BatchDescriptor(NamedTuple):
     uniform: bool = False
 
 
-@dataclass(frozen=True, slots=True)
 class ForwardContext:
-    cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE
-    batch_descriptor: BatchDescriptor | None = None
+    """The runtime mode and batch key of the forward pass in progress.
 
+    One per model runner, handed to each of its wrappers: the runner sets it
+    around every forward pass, the wrappers read it. Outside ``set`` the mode
+    is NONE (eager) with no key.
+    """
 
-_NO_CONTEXT = ForwardContext()
-_forward_context = _NO_CONTEXT
+    __slots__ = ("cudagraph_runtime_mode", "batch_descriptor")
 
+    def __init__(self) -> None:
+        self.cudagraph_runtime_mode = CUDAGraphMode.NONE
+        self.batch_descriptor: BatchDescriptor | None = None
 
-def get_forward_context() -> ForwardContext:
-    """The current forward pass's context; outside one, eager (NONE) with no key."""
-    return _forward_context
-
-
-@contextmanager
-def set_forward_context(
-    cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
-    batch_descriptor: BatchDescriptor | None = None,
-) -> Iterator[ForwardContext]:
-    """Sets the context for the forward pass run inside the ``with`` block."""
-    global _forward_context
-    if cudagraph_runtime_mode is not CUDAGraphMode.NONE and batch_descriptor is None:
-        raise ValueError(f"runtime mode {cudagraph_runtime_mode.name} needs a batch_descriptor")
-    previous = _forward_context
-    _forward_context = ForwardContext(cudagraph_runtime_mode, batch_descriptor)
-    try:
-        yield _forward_context
-    finally:
-        _forward_context = previous
+    @contextmanager
+    def set(self, cudagraph_runtime_mode: CUDAGraphMode,
+            batch_descriptor: BatchDescriptor | None) -> Iterator[None]:
+        """Sets the mode and key for the forward pass run inside the ``with`` block."""
+        if cudagraph_runtime_mode is not CUDAGraphMode.NONE and batch_descriptor is None:
+            raise ValueError(f"runtime mode {cudagraph_runtime_mode.name} needs a batch_descriptor")
+        previous = self.cudagraph_runtime_mode, self.batch_descriptor
+        self.cudagraph_runtime_mode, self.batch_descriptor = cudagraph_runtime_mode, batch_descriptor
+        try:
+            yield
+        finally:
+            self.cudagraph_runtime_mode, self.batch_descriptor = previous

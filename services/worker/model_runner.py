@@ -31,7 +31,7 @@ from services.worker.cudagraph import (
     CudagraphDispatcher,
     resolve_cudagraph_mode,
 )
-from services.worker.forward_context import BatchDescriptor, set_forward_context
+from services.worker.forward_context import BatchDescriptor, ForwardContext
 from services.worker.input_batch import CachedRequestState, InputBatch
 from services.worker.sample import Sampler, SamplerOutput, ThinkingConfig, compute_prompt_logprobs
 
@@ -133,6 +133,8 @@ class ModelRunner:
             mode, capture_sizes if mode is not CUDAGraphMode.NONE else [],
             self.input_batch.max_num_reqs, UNIFORM_DECODE_QUERY_LEN,
         )
+        # Set around each forward pass; read by the wrappers.
+        self.forward_context = ForwardContext()
         # The callable each step runs: the model, or a FULL wrapper around it.
         self._forward = self.model
         if mode is CUDAGraphMode.NONE:
@@ -140,9 +142,11 @@ class ModelRunner:
         graph_pool = torch.cuda.graph_pool_handle()
         if mode.has_piecewise_cudagraphs():
             self.model.wrap_pieces(  # type: ignore[operator]
-                lambda piece: CUDAGraphWrapper(piece, CUDAGraphMode.PIECEWISE, graph_pool))
+                lambda piece: CUDAGraphWrapper(piece, CUDAGraphMode.PIECEWISE, graph_pool,
+                                               self.forward_context))
         if mode.has_full_cudagraphs():
-            self._forward = CUDAGraphWrapper(self.model, CUDAGraphMode.FULL, graph_pool)
+            self._forward = CUDAGraphWrapper(self.model, CUDAGraphMode.FULL, graph_pool,
+                                             self.forward_context)
 
     # ------------------------------------------------------------------ states
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -343,7 +347,7 @@ class ModelRunner:
             num_reqs, num_tokens, max_query_len, max_query_len, graph_mode, key, write_kv=False,
         )
         runtime_mode = graph_mode if capture else CUDAGraphMode.NONE
-        with set_forward_context(runtime_mode, key):
+        with self.forward_context.set(runtime_mode, key):
             return self._forward(input_ids, positions, self.kv_caches, attn_metadata)
 
     # ----------------------------------------------------------------- execute
@@ -360,7 +364,7 @@ class ModelRunner:
         if num_reqs == 0 or scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(step_id=scheduler_output.step_id)
         inputs = self._prepare_inputs(scheduler_output)
-        with set_forward_context(inputs.cudagraph_runtime_mode, inputs.batch_descriptor):
+        with self.forward_context.set(inputs.cudagraph_runtime_mode, inputs.batch_descriptor):
             hidden_states = self._forward(
                 inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
             )

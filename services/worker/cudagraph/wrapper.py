@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from services.worker.cudagraph.mode import CUDAGraphMode
-from services.worker.forward_context import BatchDescriptor, get_forward_context
+from services.worker.forward_context import BatchDescriptor, ForwardContext
 
 
 @dataclass(slots=True)
@@ -28,7 +28,7 @@ class _Entry:
 class CUDAGraphWrapper:
     """Calls ``runnable`` eagerly, or captures/replays it in a CUDA graph per batch key.
 
-    When the forward context's runtime mode is this wrapper's, the first call
+    When ``forward_context``'s runtime mode is this wrapper's, the first call
     with a key captures a graph (the runner warmed it up eagerly first) and
     later calls replay it; with any other mode it calls straight through.
 
@@ -49,17 +49,18 @@ class CUDAGraphWrapper:
     """
 
     def __init__(self, runnable: Callable[..., Any], runtime_mode: CUDAGraphMode,
-                 graph_pool: Any) -> None:
+                 graph_pool: Any, forward_context: ForwardContext) -> None:
         if runtime_mode not in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE):
             raise ValueError(f"a wrapper's runtime mode is FULL or PIECEWISE, not {runtime_mode.name}")
         self.runnable = runnable
         self.runtime_mode = runtime_mode
         self.graph_pool = graph_pool
+        self.forward_context = forward_context
         self._entries: dict[BatchDescriptor, _Entry] = {}
         self._static_outputs: tuple[torch.Tensor, ...] | None = None
 
     def __call__(self, *args: Any) -> Any:
-        context = get_forward_context()
+        context = self.forward_context
         if context.cudagraph_runtime_mode is not self.runtime_mode:
             return self.runnable(*args)
         key = context.batch_descriptor

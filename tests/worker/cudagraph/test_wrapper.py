@@ -8,7 +8,7 @@ import torch
 
 from services.worker.cudagraph import CUDAGraphMode as M
 from services.worker.cudagraph import CUDAGraphWrapper
-from services.worker.forward_context import BatchDescriptor, set_forward_context
+from services.worker.forward_context import BatchDescriptor, ForwardContext
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -26,36 +26,41 @@ class Counting:
 
 def test_other_runtime_modes_call_straight_through():
     fn = Counting()
-    wrapper = CUDAGraphWrapper(fn, M.FULL, graph_pool=None)
+    context = ForwardContext()
+    wrapper = CUDAGraphWrapper(fn, M.FULL, None, context)
     x = torch.arange(6.0).view(3, 2)
     for mode in (M.NONE, M.PIECEWISE):
         key = None if mode is M.NONE else BatchDescriptor(3, 3)
-        with set_forward_context(mode, key):
+        with context.set(mode, key):
             out, total = wrapper(x)
     assert fn.calls == 2 and not wrapper.captured_keys
     assert torch.equal(out, x * 2 + 1) and torch.equal(total, x.sum(-1, keepdim=True))
-    # Outside any forward context: eager.
+    # Outside a forward pass the context is NONE: eager.
     wrapper(x)
     assert fn.calls == 3
 
 
 def test_wrapper_modes_are_full_or_piecewise():
     with pytest.raises(ValueError, match="FULL or PIECEWISE, not NONE"):
-        CUDAGraphWrapper(Counting(), M.NONE, graph_pool=None)
+        CUDAGraphWrapper(Counting(), M.NONE, None, ForwardContext())
     with pytest.raises(ValueError, match="needs a batch_descriptor"):
-        with set_forward_context(M.FULL):
+        with ForwardContext().set(M.FULL, None):
             pass
 
 
+def _wrap(fn, mode: M) -> CUDAGraphWrapper:
+    return CUDAGraphWrapper(fn, mode, torch.cuda.graph_pool_handle(), ForwardContext())
+
+
 def _run(wrapper, mode, x, num_tokens):
-    with set_forward_context(mode, BatchDescriptor(num_tokens, num_tokens)):
+    with wrapper.forward_context.set(mode, BatchDescriptor(num_tokens, num_tokens)):
         return wrapper(x[:num_tokens])
 
 
 @needs_cuda
 def test_capture_then_replay_reads_the_static_inputs():
     fn = Counting()
-    wrapper = CUDAGraphWrapper(fn, M.PIECEWISE, torch.cuda.graph_pool_handle())
+    wrapper = _wrap(fn, M.PIECEWISE)
     x = torch.randn(8, 4, device="cuda")
     big = _run(wrapper, M.PIECEWISE, x, 8)
     small = _run(wrapper, M.PIECEWISE, x, 4)
@@ -71,7 +76,7 @@ def test_capture_then_replay_reads_the_static_inputs():
 
 @needs_cuda
 def test_an_input_at_another_address_is_copied_in():
-    wrapper = CUDAGraphWrapper(Counting(), M.FULL, torch.cuda.graph_pool_handle())
+    wrapper = _wrap(Counting(), M.FULL)
     x = torch.randn(4, 4, device="cuda")
     _run(wrapper, M.FULL, x, 4)
     y = torch.randn(4, 4, device="cuda")
@@ -81,7 +86,7 @@ def test_an_input_at_another_address_is_copied_in():
 
 @needs_cuda
 def test_replay_does_not_allocate():
-    wrapper = CUDAGraphWrapper(Counting(), M.FULL, torch.cuda.graph_pool_handle())
+    wrapper = _wrap(Counting(), M.FULL)
     x = torch.randn(16, 32, device="cuda")
     for n in (16, 8):
         _run(wrapper, M.FULL, x, n)
@@ -96,7 +101,7 @@ def test_replay_does_not_allocate():
 
 @needs_cuda
 def test_capturing_a_larger_key_after_a_smaller_one_is_an_error():
-    wrapper = CUDAGraphWrapper(Counting(), M.FULL, torch.cuda.graph_pool_handle())
+    wrapper = _wrap(Counting(), M.FULL)
     x = torch.randn(8, 4, device="cuda")
     _run(wrapper, M.FULL, x, 4)
     with pytest.raises(ValueError, match="capture the largest key first"):
