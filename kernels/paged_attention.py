@@ -344,14 +344,44 @@ def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            block_table: torch.Tensor, query_start_loc: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, num_reqs: int,
                            num_actual_tokens: int, max_query_len: int, max_seq_len: int,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton version of `paged_attention` (see there for the contract)."""
+                           out: torch.Tensor | None = None,
+                           num_splits: int | None = None) -> torch.Tensor:
+    """Triton version of `paged_attention` (see there for the contract).
+
+    Two kernels: a one-pass kernel for any batch, and, for decode-only batches
+    (max_query_len == 1) too small to fill the GPU, a split-KV kernel that cuts each
+    request's keys into `num_splits` ranges attended in parallel, then merges them.
+    `num_splits`: None picks automatically (`choose_num_splits`: split only when
+    num_reqs x num_kv_heads < the SM count); 1 forces the one-pass kernel; > 1 forces
+    split-KV with that many splits (needs max_query_len == 1, at most MAX_NUM_SPLITS).
+
+    CUDA graphs: every host-side choice (which kernel, number of splits, tiles, grid,
+    num_warps / num_stages) depends only on shapes, dtypes, the device's SM count and the
+    host ints num_reqs, num_actual_tokens, max_query_len; never on max_seq_len or on
+    tensor contents, and nothing syncs with the device. A FULL graph captured for a
+    padded (num_reqs, num_tokens) therefore replays correctly for any batch padded to it:
+    padding requests (q_len 0, seq_len 0) write nothing, rows >= num_actual_tokens are
+    zeroed, and rows below it that no request covers are left as they were.
+    """
     from kernels._triton.paged_attention import launch_paged_attention
+    from kernels._triton.paged_attention_decode import (
+        choose_num_splits,
+        device_num_sms,
+        launch_paged_attention_decode,
+    )
 
     _check_shapes(query, key_cache, value_cache)
     out = _make_out(query, out)
-    launch_paged_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-                           scale, num_reqs, num_actual_tokens, max_query_len, out)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_reqs, key_cache.shape[2], max_query_len,
+                                       device_num_sms(query.device))
+    if num_splits == 1:
+        launch_paged_attention(query, key_cache, value_cache, block_table, query_start_loc,
+                               seq_lens, scale, num_reqs, num_actual_tokens, max_query_len, out)
+    else:
+        launch_paged_attention_decode(query, key_cache, value_cache, block_table, query_start_loc,
+                                      seq_lens, scale, num_reqs, num_actual_tokens, max_query_len,
+                                      num_splits, out)
     return out
 
 
@@ -371,7 +401,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         query_start_loc: int32 [num_reqs + 1]; seq_lens: int32 [num_reqs], context + new tokens.
         scale: softmax scale (usually head_size ** -0.5).
         num_reqs, num_actual_tokens: real requests and tokens (without padding).
-        max_query_len, max_seq_len: maxima of q_len and seq_lens over the batch.
+        max_query_len, max_seq_len: maxima of q_len and seq_lens over the batch. Neither
+            kernel reads max_seq_len (a CUDA graph replays one value for every batch).
         out: optional [num_tokens, num_heads, head_size] output buffer.
         plan: optional `plan_paged_attention` result for this metadata, which the
             reference path reuses across layers; the Triton kernel ignores it.

@@ -7,6 +7,19 @@ import triton
 import triton.language as tl
 
 
+# Bytes one thread moves per access: a 16-byte vector (ld/st.global.v4).
+_VECTOR_BYTES = 16
+
+
+def _num_warps(block_head_dim: int, element_size: int) -> int:
+    """Warps that copy one token's row in a single pass of 16-byte vectors, 1 to 8.
+
+    The default 4 warps would leave a 3 x 64 bf16 row (512 bytes) at 4 bytes per
+    thread; one warp moves it with one vector per thread, and an 8 x 128 row takes 4.
+    """
+    return max(1, min(8, block_head_dim * element_size // (32 * _VECTOR_BYTES)))
+
+
 @triton.jit
 def _reshape_and_cache_kernel(
     key_ptr, value_ptr,                  # [num_tokens, num_kv_heads, head_size]
@@ -49,11 +62,13 @@ def launch_reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: 
     if num_tokens == 0:
         return
     num_elements = num_kv_heads * head_size
+    block_head_dim = triton.next_power_of_2(num_elements)
+    element_size = max(key.element_size(), key_cache.element_size())
     _reshape_and_cache_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         key_cache.shape[1],
-        HEAD_SIZE=head_size, BLOCK_HEAD_DIM=triton.next_power_of_2(num_elements),
-        NUM_ELEMENTS=num_elements,
+        HEAD_SIZE=head_size, BLOCK_HEAD_DIM=block_head_dim, NUM_ELEMENTS=num_elements,
+        num_warps=_num_warps(block_head_dim, element_size), num_stages=1,  # no loop to pipeline
     )

@@ -58,4 +58,7 @@ def launch_compute_slot_mapping(block_table: torch.Tensor, query_start_loc: torc
         block_table, block_table.stride(0), query_start_loc, positions, out,
         block_size, num_reqs, int(num_reqs).bit_length(), num_actual_tokens, num_tokens_padded,
         PAD_ID=-1, BLOCK=_TOKENS_PER_PROGRAM,
+        # 4 warps: 2 tokens per thread, one 16-byte int64 vector per store. 1 stage: each
+        # binary-search load depends on the previous one, so there is nothing to prefetch.
+        num_warps=4, num_stages=1,
     )
