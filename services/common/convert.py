@@ -1,15 +1,17 @@
 """The one place where in-memory engine types meet their kvmesh.v1 messages.
 
 Every service converts through these functions; nothing else touches pb2
-field names. ``to_proto``/``from_proto`` pairs round-trip exactly.
+field names. ``to_proto``/``from_proto`` pairs round-trip exactly, except that
+numbers in ``SamplingParams.extra_args`` come back as floats.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from google.protobuf import struct_pb2
 from kvmesh.v1 import api_pb2
 from kvmesh.v1 import engine_pb2 as pb
 from kvmesh.v1 import scheduler_pb2 as spb
@@ -35,12 +37,23 @@ if TYPE_CHECKING:  # the scheduler's stats type; imported for annotations only
 
 # ---------------------------------------------------------------- sampling
 
+# Optional scalars whose vLLM default is not their proto3 zero: unset takes
+# SamplingParams' default (vLLM's), an explicit zero stays a zero.
+_DEFAULTED_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "repetition_penalty",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "detokenize",
+)
+# Optional scalars whose unset value is None (no seed, no logprobs, ...).
+_NULLABLE_FIELDS = ("seed", "max_tokens", "logprobs", "prompt_logprobs", "thinking_token_budget")
+
 
 def sampling_params_to_proto(p: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(
-        n=p.n,
-        temperature=p.temperature,
-        top_p=p.top_p,
         top_k=p.top_k,
         min_p=p.min_p,
         min_tokens=p.min_tokens,
@@ -48,53 +61,65 @@ def sampling_params_to_proto(p: SamplingParams) -> pb.SamplingParams:
         ignore_eos=p.ignore_eos,
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty,
         logit_bias=p.logit_bias or {},
         allowed_token_ids=p.allowed_token_ids or [],
         stop=p.stop,
         include_stop_str_in_output=p.include_stop_str_in_output,
-        skip_special_tokens=p.skip_special_tokens,
-        spaces_between_special_tokens=p.spaces_between_special_tokens,
         output_kind=int(p.output_kind),
-        detokenize=p.detokenize,
+        **{name: getattr(p, name) for name in _DEFAULTED_FIELDS},
     )
-    for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "thinking_token_budget"):
+    for name in _NULLABLE_FIELDS:
         value = getattr(p, name)
         if value is not None:
             setattr(msg, name, value)
+    if p.extra_args is not None:
+        # Mark the Struct present first so that {} stays apart from None.
+        msg.extra_args.SetInParent()
+        msg.extra_args.update(p.extra_args)
     return msg
 
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
-    def opt(name: str) -> int | None:
-        return getattr(msg, name) if msg.HasField(name) else None
+    """The in-memory params of ``msg``; unset fields take vLLM's defaults.
 
+    Unset ``max_tokens`` (and the other nullable fields) is None. Numbers in
+    ``extra_args`` come back as floats: a Struct stores every number as a
+    double, so an int and an integral float cannot be told apart.
+    """
     return SamplingParams(
-        n=msg.n,
-        temperature=msg.temperature,
-        top_p=msg.top_p,
         top_k=msg.top_k,
         min_p=msg.min_p,
-        seed=opt("seed"),
-        max_tokens=opt("max_tokens"),
         min_tokens=msg.min_tokens,
         stop_token_ids=list(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
-        logprobs=opt("logprobs"),
-        prompt_logprobs=opt("prompt_logprobs"),
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
-        repetition_penalty=msg.repetition_penalty,
         logit_bias=dict(msg.logit_bias) or None,
         allowed_token_ids=list(msg.allowed_token_ids) or None,
-        thinking_token_budget=opt("thinking_token_budget"),
         stop=list(msg.stop),
         include_stop_str_in_output=msg.include_stop_str_in_output,
-        skip_special_tokens=msg.skip_special_tokens,
-        spaces_between_special_tokens=msg.spaces_between_special_tokens,
         output_kind=RequestOutputKind(msg.output_kind),
-        detokenize=msg.detokenize,
+        extra_args=_struct_to_dict(msg.extra_args) if msg.HasField("extra_args") else None,
+        **{name: getattr(msg, name) for name in _DEFAULTED_FIELDS if msg.HasField(name)},
+        **{name: getattr(msg, name) if msg.HasField(name) else None for name in _NULLABLE_FIELDS},
     )
+
+
+def _struct_to_dict(struct: struct_pb2.Struct) -> dict[str, Any]:
+    return {key: _value_to_python(value) for key, value in struct.fields.items()}
+
+
+def _value_to_python(value: struct_pb2.Value) -> Any:
+    # Not json_format.MessageToDict: it raises on NaN/inf, which the frontend's
+    # validation must see and reject as INVALID_ARGUMENT naming extra_args.
+    kind = value.WhichOneof("kind")
+    if kind == "struct_value":
+        return _struct_to_dict(value.struct_value)
+    if kind == "list_value":
+        return [_value_to_python(item) for item in value.list_value.values]
+    if kind is None or kind == "null_value":
+        return None
+    return getattr(value, kind)  # number_value (always a float), string_value, bool_value
 
 
 # ---------------------------------------------------------------- logprobs

@@ -2,12 +2,19 @@
 
 The frontend validates them (see services/frontend); the scheduler honours the
 stop conditions, the worker the sampling ones. Defaults follow vLLM.
+
+``extra_args`` (vLLM's name and meaning) carries arbitrary JSON-like
+per-request arguments for custom extensions: a custom logits processor reads
+them from the ``SamplingParams`` it receives for each request. On the wire they
+are a ``google.protobuf.Struct``, whose numbers are doubles, so after any hop
+between services every number in them is a float (``3`` arrives as ``3.0``).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -43,6 +50,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     detokenize: bool = True
+    # JSON-like arguments for custom extensions; None: no arguments.
+    extra_args: dict[str, Any] | None = None
 
     @property
     def is_greedy(self) -> bool:

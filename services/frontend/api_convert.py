@@ -4,10 +4,15 @@ Engine messages (EngineCoreRequest, EngineCoreOutputs, SamplingParams on the
 wire) convert through ``services.common.convert``; this module adds the
 public ``Generation`` messages on top of it.
 
-Public sampling defaults: proto3 cannot tell an unset scalar from a zero, so
-zeros that are never valid mean "the default": ``n`` 0 -> 1, ``top_p`` 0 ->
-1.0, ``repetition_penalty`` 0 -> 1.0. ``temperature`` 0 is valid and means
-greedy. A request without ``sampling_params`` gets every vLLM default.
+Public sampling defaults: an unset field takes vLLM's default. The fields
+whose default is not their proto3 zero (``n``, ``temperature``, ``top_p``,
+``repetition_penalty``, ``skip_special_tokens``,
+``spaces_between_special_tokens``, ``detokenize``) are ``optional`` in the
+proto, so ``services.common.convert`` tells unset (default) from an explicit
+zero (``temperature`` 0 is greedy; ``n`` 0 is rejected by validation). An
+unset ``max_tokens`` means "up to max_model_len". A request without
+``sampling_params`` gets ``SamplingParams()``: every vLLM default, its
+``max_tokens`` 16 included.
 The Generate API always returns text, so ``detokenize`` is always on.
 """
 
@@ -24,12 +29,7 @@ from services.frontend.validation import ValidationError
 
 def sampling_params_from_api(msg: engine_pb2.SamplingParams, present: bool) -> SamplingParams:
     """SamplingParams from a public request, with the defaults above applied."""
-    if not present:
-        return SamplingParams()
-    params = sampling_params_from_proto(msg)
-    params.n = params.n or 1
-    params.top_p = params.top_p or 1.0
-    params.repetition_penalty = params.repetition_penalty or 1.0
+    params = sampling_params_from_proto(msg) if present else SamplingParams()
     params.detokenize = True
     return params
 

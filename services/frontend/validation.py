@@ -16,6 +16,13 @@ DEFAULT_MAX_LOGPROBS = 20
 # Seeds travel as proto int64.
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
+# extra_args travel as a protobuf Struct: numbers are doubles, so larger
+# integers would arrive changed.
+MAX_EXACT_INT = 2**53
+# Each Struct level costs protobuf several message levels, and the services'
+# parsers stop at 100 (the worker's SchedulerOutput wraps extra_args deepest):
+# deeper extra_args would break a stream other requests share.
+MAX_EXTRA_ARGS_DEPTH = 16
 
 
 class ValidationError(ValueError):
@@ -78,6 +85,10 @@ def validate_sampling_params(
         _check_int("seed", params.seed, INT64_MIN, f"in [{INT64_MIN}, {INT64_MAX}]", INT64_MAX)
     _validate_stop(params)
     _validate_token_ids(params, vocab_size)
+    if params.extra_args is not None:
+        if not isinstance(params.extra_args, dict):
+            raise _fail("extra_args", "a dict with string keys", params.extra_args)
+        _check_json_like("extra_args", params.extra_args, depth=1)
 
 
 def _validate_stop(params: SamplingParams) -> None:
@@ -99,6 +110,41 @@ def _validate_token_ids(params: SamplingParams, vocab_size: int) -> None:
         if not params.allowed_token_ids:
             raise _fail("allowed_token_ids", "a non-empty list when given", [])
         check_token_ids("allowed_token_ids", params.allowed_token_ids, vocab_size)
+
+
+def _check_json_like(path: str, value: object, depth: int) -> None:
+    """``value`` (at ``path`` inside extra_args) must survive a protobuf Struct unchanged.
+
+    Allowed: None, bool, str, finite float, int within +-2**53, lists, and
+    dicts with string keys, nested at most MAX_EXTRA_ARGS_DEPTH deep.
+    """
+    if isinstance(value, (dict, list)) and depth > MAX_EXTRA_ARGS_DEPTH:
+        raise ValidationError(
+            "extra_args",
+            f"extra_args must nest at most {MAX_EXTRA_ARGS_DEPTH} levels deep, "
+            f"{path} is at level {depth}",
+        )
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise _fail_extra_args(f"{path} keys", "strings", key)
+            _check_json_like(f"{path}[{key!r}]", item, depth + 1)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_json_like(f"{path}[{index}]", item, depth + 1)
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise _fail_extra_args(path, "a finite number", value)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        if abs(value) > MAX_EXACT_INT:
+            raise _fail_extra_args(path, "an integer in [-2**53, 2**53]", value)
+    elif value is not None and not isinstance(value, (bool, str)):
+        raise _fail_extra_args(path, "JSON-like (None, bool, number, str, list or dict)", value)
+
+
+def _fail_extra_args(path: str, allowed: str, value: object) -> ValidationError:
+    # The field stays "extra_args"; the message says where inside it.
+    return ValidationError("extra_args", f"{path} must be {allowed}, got {value!r}")
 
 
 def check_token_ids(field: str, token_ids: Iterable[int], vocab_size: int) -> None:

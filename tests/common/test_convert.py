@@ -1,3 +1,7 @@
+import math
+
+from kvmesh.v1 import engine_pb2
+
 from services.common import convert
 from services.common.engine import (
     EngineCoreOutput,
@@ -19,7 +23,8 @@ def _params() -> SamplingParams:
         logit_bias={5: 2.5}, allowed_token_ids=[1, 2], thinking_token_budget=8,
         stop=["x"], include_stop_str_in_output=True, skip_special_tokens=False,
         spaces_between_special_tokens=False, output_kind=RequestOutputKind.DELTA,
-        detokenize=False,
+        detokenize=False, extra_args={"mode": "strict", "weights": [0.5, 2.0],
+                                      "nested": {"on": True, "off": None}},
     )
 
 
@@ -29,6 +34,66 @@ def test_sampling_params_round_trip_keeps_none_and_zero_apart():
     unset = SamplingParams(max_tokens=None, prompt_logprobs=None)
     back = convert.sampling_params_from_proto(convert.sampling_params_to_proto(unset))
     assert back.max_tokens is None and back.prompt_logprobs is None and back.seed is None
+
+
+def _over_the_wire(msg: engine_pb2.SamplingParams) -> engine_pb2.SamplingParams:
+    return engine_pb2.SamplingParams.FromString(msg.SerializeToString())
+
+
+def test_unset_fields_take_vllm_defaults():
+    # What a grpcurl or Node client sends when it names only max_tokens.
+    back = convert.sampling_params_from_proto(_over_the_wire(engine_pb2.SamplingParams(
+        max_tokens=8)))
+    assert back == SamplingParams(max_tokens=8)
+    assert (back.n, back.temperature, back.top_p, back.repetition_penalty) == (1, 1.0, 1.0, 1.0)
+    assert back.skip_special_tokens is True and back.spaces_between_special_tokens is True
+    assert back.detokenize is True and back.extra_args is None
+    assert convert.sampling_params_from_proto(engine_pb2.SamplingParams()) == SamplingParams(
+        max_tokens=None)
+
+
+def test_explicit_zeros_and_falses_stay_apart_from_unset():
+    msg = engine_pb2.SamplingParams(
+        n=0, temperature=0.0, top_p=0.0, repetition_penalty=0.0, skip_special_tokens=False,
+        spaces_between_special_tokens=False, detokenize=False)
+    back = convert.sampling_params_from_proto(_over_the_wire(msg))
+    # Zeros the validation rejects (n, top_p, repetition_penalty) reach it as zeros.
+    assert (back.n, back.temperature, back.top_p, back.repetition_penalty) == (0, 0.0, 0.0, 0.0)
+    assert (back.skip_special_tokens, back.spaces_between_special_tokens, back.detokenize) == (
+        False, False, False)
+    params = SamplingParams(temperature=0.0, skip_special_tokens=False,
+                            spaces_between_special_tokens=False)
+    wire = _over_the_wire(convert.sampling_params_to_proto(params))
+    assert wire.HasField("temperature") and wire.HasField("skip_special_tokens")
+    assert convert.sampling_params_from_proto(wire) == params
+
+
+def test_extra_args_round_trip_numbers_arrive_as_floats():
+    extra_args = {"name": "x", "flag": False, "none": None, "count": 3, "ratio": 0.25,
+                  "ids": [1, 2, "three", [True]], "nested": {"deep": {"n": -7}}, "empty": {}}
+    wire = _over_the_wire(convert.sampling_params_to_proto(SamplingParams(extra_args=extra_args)))
+    back = convert.sampling_params_from_proto(wire).extra_args
+    assert back == {"name": "x", "flag": False, "none": None, "count": 3.0, "ratio": 0.25,
+                    "ids": [1.0, 2.0, "three", [True]], "nested": {"deep": {"n": -7.0}},
+                    "empty": {}}
+    assert [type(back[k]) for k in ("count", "ratio", "flag")] == [float, float, bool]
+    assert [type(v) for v in back["ids"]] == [float, float, str, list]
+    assert type(back["nested"]["deep"]["n"]) is float
+
+
+def test_extra_args_none_and_empty_stay_apart():
+    for extra_args in (None, {}):
+        params = SamplingParams(extra_args=extra_args)
+        msg = _over_the_wire(convert.sampling_params_to_proto(params))
+        assert msg.HasField("extra_args") is (extra_args is not None)
+        assert convert.sampling_params_from_proto(msg).extra_args == extra_args
+
+
+def test_extra_args_non_finite_numbers_reach_validation():
+    # json_format would raise here; the frontend's validation must see the value.
+    msg = engine_pb2.SamplingParams(extra_args={"a": [math.nan], "b": math.inf})
+    back = convert.sampling_params_from_proto(_over_the_wire(msg)).extra_args
+    assert math.isnan(back["a"][0]) and back["b"] == math.inf
 
 
 def test_engine_core_request_and_outputs_round_trip():

@@ -10,6 +10,7 @@ other (and exact token ids of the real tokenizer).
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -19,6 +20,8 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf import json_format
+from kvmesh.v1 import api_pb2, api_pb2_grpc
 
 from kvmesh.client import Client
 from kvmesh.healthcheck import check_health
@@ -178,6 +181,8 @@ def test_tokenize_and_detokenize_with_the_real_tokenizer(stack):
     (dict(prompt="hi", max_tokens=300),
      "prompt has 1 tokens and max_tokens is 300, but max_model_len is 256"),
     (dict(token_ids=[7] * 300), "prompt has 300 tokens, max_model_len is 256"),
+    (dict(prompt="hi", extra_args={"a": [math.nan]}),
+     "extra_args['a'][0] must be a finite number, got nan"),
 ])
 def test_invalid_requests_are_invalid_argument_naming_the_field(stack, kwargs, message):
     error = error_of(lambda: list(stack.client.generate(**kwargs)))
@@ -186,6 +191,24 @@ def test_invalid_requests_are_invalid_argument_naming_the_field(stack, kwargs, m
     # Nothing reached the engine, and the frontend keeps serving.
     assert stack.frontend.servicer.engine.num_unfinished_requests == 0
     assert len(final(stack.client, "hi", max_tokens=2, **GREEDY).outputs[0].token_ids) == 2
+
+
+def test_unset_sampling_fields_take_vllm_defaults_over_grpc(stack):
+    """A grpcurl-style request: skip_special_tokens, temperature, n... all unset."""
+    def generate(sampling_params: str) -> api_pb2.GenerateResponse:
+        # Only <|im_start|> (id 1, a special token) may be sampled: any temperature gives it.
+        request = json_format.Parse(
+            '{"text": "hi", "sampling_params": {"max_tokens": 2, "ignore_eos": true,'
+            ' "allowed_token_ids": [1], "output_kind": "FINAL_ONLY"' + sampling_params + "}}",
+            api_pb2.GenerateRequest())
+        with grpc.insecure_channel(stack.frontend.address) as channel:
+            *_, last = api_pb2_grpc.GenerationStub(channel).Generate(request, timeout=30)
+        return last
+
+    default = generate(', "extra_args": {"plugin": {"level": 2}}').outputs
+    assert [(list(o.token_ids), o.text) for o in default] == [([1, 1], "")]
+    kept = generate(', "skip_special_tokens": false').outputs[0]
+    assert (list(kept.token_ids), kept.text) == ([1, 1], "<|im_start|><|im_start|>")
 
 
 def test_detokenize_out_of_vocab_is_invalid_argument(stack):

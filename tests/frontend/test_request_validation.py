@@ -56,6 +56,22 @@ BAD_PARAMS = [
      "thinking_token_budget must be >= 0, got -1"),
     (dict(seed=2**64), "seed",
      f"seed must be in [{-(2**63)}, {2**63 - 1}], got {2**64}"),
+    (dict(extra_args=["a"]), "extra_args", "extra_args must be a dict with string keys, got ['a']"),
+    (dict(extra_args={"a": {1: "x"}}), "extra_args",
+     "extra_args['a'] keys must be strings, got 1"),
+    (dict(extra_args={"a": [1, math.nan]}), "extra_args",
+     "extra_args['a'][1] must be a finite number, got nan"),
+    (dict(extra_args={"a": -math.inf}), "extra_args",
+     "extra_args['a'] must be a finite number, got -inf"),
+    (dict(extra_args={"a": 2**53 + 1}), "extra_args",
+     "extra_args['a'] must be an integer in [-2**53, 2**53], got 9007199254740993"),
+    (dict(extra_args={"a": (1, 2)}), "extra_args",
+     "extra_args['a'] must be JSON-like (None, bool, number, str, list or dict), got (1, 2)"),
+    (dict(extra_args={"a": b"x"}), "extra_args",
+     "extra_args['a'] must be JSON-like (None, bool, number, str, list or dict), got b'x'"),
+    (dict(extra_args={"a": [[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]}), "extra_args",
+     "extra_args must nest at most 16 levels deep, "
+     "extra_args['a'][0][0][0][0][0][0][0][0][0][0][0][0][0][0][0] is at level 17"),
 ]
 
 
@@ -109,6 +125,17 @@ def test_unset_max_tokens_fills_the_context(input_processor):
         input_processor.process_inputs(
             "r", [5] * 2040, SamplingParams(max_tokens=None, min_tokens=10))
     assert str(info.value) == "min_tokens must be <= max_tokens (8), got 10"
+
+
+def test_json_like_extra_args_pass_unchanged(input_processor):
+    deepest: list = []
+    for _ in range(14):  # extra_args, then 15 nested lists: 16 levels, the maximum
+        deepest = [deepest]
+    extra_args = {"s": "x", "b": True, "none": None, "i": -(2**53), "f": 0.5, "list": [1, "y"],
+                  "dict": {"k": {}}, "a": deepest}
+    request = input_processor.process_inputs(
+        "r", "Hello", SamplingParams(extra_args=extra_args))
+    assert request.sampling_params.extra_args == extra_args
 
 
 def test_validation_error_is_a_value_error():

@@ -48,7 +48,7 @@ class NoRepeatAdapter(AdapterLogitsProcessor):
     """Seeded requests may not repeat their previous output token.
 
     Two-argument callable that returns a NEW row (exercises the write-back).
-    SamplingParams carries no custom fields, so ``seed`` is the trigger.
+    ``seed`` is the trigger; BanExtraArgsTokensAdapter reads ``extra_args``.
     """
 
     def is_argmax_invariant(self) -> bool:
@@ -98,3 +98,30 @@ class FourArgAdapter(AdapterLogitsProcessor):
         if params.seed is None:
             return None
         return lambda a, b, c, d: d
+
+
+class BanExtraArgsTokensAdapter(AdapterLogitsProcessor):
+    """Bans the token ids a request lists in ``extra_args["ban_token_ids"]``.
+
+    extra_args numbers cross the wire as floats, hence the ``int``.
+    """
+
+    @classmethod
+    def validate_params(cls, params: SamplingParams) -> None:
+        banned = (params.extra_args or {}).get("ban_token_ids", [])
+        if not isinstance(banned, list):
+            raise ValueError(f"extra_args['ban_token_ids'] must be a list, got {banned!r}")
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def new_req_logits_processor(self, params: SamplingParams):
+        banned = [int(t) for t in (params.extra_args or {}).get("ban_token_ids", [])]
+        if not banned:
+            return None
+
+        def ban(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+            logits[banned] = float("-inf")
+            return logits
+
+        return ban

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.common.convert import sampling_params_from_proto, sampling_params_to_proto
 from services.common.sampling_params import SamplingParams
 from services.worker.sample import Sampler, SamplingState
 from services.worker.sample.logits_processor import LOGITSPROCS_GROUP, load_custom_logitsprocs
@@ -123,3 +124,21 @@ def test_adapter_rejects_a_callable_of_the_wrong_arity() -> None:
     state.add_request(0, SamplingParams(temperature=0.0, seed=4), [0], [])
     with pytest.raises(ValueError, match="FourArgAdapter: .* got 4"):
         state.make_sampling_metadata(1)
+
+
+def test_plugin_sees_extra_args_as_the_worker_receives_them() -> None:
+    def over_the_wire(params: SamplingParams) -> SamplingParams:
+        return sampling_params_from_proto(sampling_params_to_proto(params))
+
+    banning = over_the_wire(SamplingParams(temperature=0.0, extra_args={"ban_token_ids": [0, 1]}))
+    # Struct numbers are doubles: the plugin gets floats.
+    assert [(t, type(t)) for t in banning.extra_args["ban_token_ids"]] == [(0.0, float),
+                                                                           (1.0, float)]
+    state = SamplingState(4, 5, CPU, logitsprocs=[f"{MODULE}:BanExtraArgsTokensAdapter"])
+    state.add_request(0, banning, [3], [])
+    state.add_request(1, over_the_wire(SamplingParams(temperature=0.0)), [3], [])
+    state.add_request(2, over_the_wire(SamplingParams(temperature=0.0, extra_args={})), [3], [])
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0]])
+    assert greedy(state, logits.expand(3, -1)) == [2, 0, 0]
+    with pytest.raises(ValueError, match=r"extra_args\['ban_token_ids'\] must be a list, got 7"):
+        state.add_request(3, SamplingParams(extra_args={"ban_token_ids": 7}), [3], [])
