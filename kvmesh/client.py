@@ -31,17 +31,8 @@ _CHANNEL_OPTIONS = (
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
 )
-# vLLM's defaults for the fields whose proto3 zero value means something else.
-_DEFAULTS: dict[str, Any] = {
-    "n": 1,
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "repetition_penalty": 1.0,
-    "skip_special_tokens": True,
-    "spaces_between_special_tokens": True,
-    "detokenize": True,
-    "output_kind": engine_pb2.DELTA,
-}
+# The client streams deltas; every field left unset takes vLLM's default on the server.
+_DEFAULTS: dict[str, Any] = {"output_kind": engine_pb2.DELTA}
 _SAMPLING_FIELDS = frozenset(engine_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
 
 
