@@ -73,6 +73,22 @@ def check_kernel_args(query: torch.Tensor, out: torch.Tensor, key_cache: torch.T
                          f"{value_cache.stride()}")
 
 
+def begin_launch(query: torch.Tensor, out: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, block_table: torch.Tensor, num_reqs: int,
+                 num_actual_tokens: int) -> tuple[int, int, int] | None:
+    """Checks the layout and zeroes the padding rows of out.
+
+    Returns (num_heads, head_size, query heads per kv head), or None when there is
+    nothing to attend.
+    """
+    check_kernel_args(query, out, key_cache, value_cache, block_table)
+    out[num_actual_tokens:].zero_()
+    if num_reqs == 0 or num_actual_tokens == 0:
+        return None
+    num_heads, head_size = query.shape[1:]
+    return num_heads, head_size, num_heads // key_cache.shape[2]
+
+
 @triton.jit
 def attend_key_tile(q, acc, m_i, l_i, key_head_ptr, value_head_ptr, block_table_row, k_pos,
                     k_valid, allowed, dims, dim_valid, cache_stride_block, cache_stride_offset,
@@ -221,13 +237,11 @@ def launch_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     max_query_len (no device sync), so it can be captured in a CUDA graph. Requests with
     q_len 0 write nothing.
     """
-    check_kernel_args(query, out, key_cache, value_cache, block_table)
-    out[num_actual_tokens:].zero_()
-    if num_reqs == 0 or num_actual_tokens == 0:
+    shape = begin_launch(query, out, key_cache, value_cache, block_table, num_reqs, num_actual_tokens)
+    if shape is None:
         return
-    num_heads, head_size = query.shape[1:]
+    _, head_size, num_queries_per_kv = shape
     num_kv_heads = key_cache.shape[2]
-    num_queries_per_kv = num_heads // num_kv_heads
     block_m, block_q = _query_tile(num_queries_per_kv, max_query_len, head_size, query.dtype)
     # Upper bound on query blocks (see _find_request); spare programs exit at once.
     grid = (num_actual_tokens // block_q + num_reqs, num_kv_heads)

@@ -23,7 +23,7 @@ from kernels._triton.paged_attention import (
     LOG2E,
     NUM_STAGES,
     attend_key_tile,
-    check_kernel_args,
+    begin_launch,
     dot_options,
     head_size_padded,
     key_tile_size,
@@ -195,13 +195,11 @@ def launch_paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor,
         raise ValueError(f"split-KV decode needs max_query_len == 1, got {max_query_len}")
     if not 1 <= num_splits <= MAX_NUM_SPLITS:
         raise ValueError(f"num_splits={num_splits} must be in [1, {MAX_NUM_SPLITS}]")
-    check_kernel_args(query, out, key_cache, value_cache, block_table)
-    out[num_actual_tokens:].zero_()
-    if num_reqs == 0 or num_actual_tokens == 0:
+    shape = begin_launch(query, out, key_cache, value_cache, block_table, num_reqs, num_actual_tokens)
+    if shape is None:
         return
-    num_heads, head_size = query.shape[1:]
+    num_heads, head_size, num_queries_per_kv = shape
     num_kv_heads = key_cache.shape[2]
-    num_queries_per_kv = num_heads // num_kv_heads
     partial_out = torch.empty((num_reqs, num_heads, num_splits, head_size),
                               dtype=torch.float32, device=query.device)
     lse = torch.empty((num_reqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
