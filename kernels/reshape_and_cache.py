@@ -30,12 +30,10 @@ def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, key_cache: tor
                           num_actual_tokens: int | None = None) -> None:
     """PyTorch reference of `reshape_and_cache` (same contract)."""
     _check_shapes(key, value, key_cache, value_cache, slot_mapping)
-    n = num_actual_tokens
-    if n is not None and _can_copy_rows(key, value, key_cache, value_cache) and (
-        n == 0 or int(slot_mapping[:n].min()) >= 0  # a dummy run writes nothing at all
-    ):
+    if num_actual_tokens is not None and _can_copy_rows(key, value, key_cache, value_cache):
         # The real tokens are a prefix: one index_copy_ per cache, with no
         # padding mask (whose boolean indexing syncs on every layer).
+        n = num_actual_tokens
         slots = slot_mapping[:n]
         row = key_cache.shape[2] * key_cache.shape[3]
         key_cache.view(-1, row).index_copy_(0, slots, key[:n].reshape(n, row))

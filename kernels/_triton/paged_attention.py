@@ -5,7 +5,7 @@ consecutive tokens of the request times the NUM_QUERIES_PER_KV query heads shari
 kv head, so each K/V tile loaded through the block table serves the whole GQA group.
 Keys are visited in tiles of BLOCK_N positions with an online (flash-attention) softmax.
 
-The host helpers and `attend_key_tile` are shared with the split-KV decode kernel
+The host helpers and `attend_key_range` are shared with the split-KV decode kernel
 (`paged_attention_decode.py`).
 """
 
@@ -90,36 +90,44 @@ def begin_launch(query: torch.Tensor, out: torch.Tensor, key_cache: torch.Tensor
 
 
 @triton.jit
-def attend_key_tile(q, acc, m_i, l_i, key_head_ptr, value_head_ptr, block_table_row, k_pos,
-                    k_valid, allowed, dims, dim_valid, cache_stride_block, cache_stride_offset,
-                    scale_log2, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    DOT_IN_FP32: tl.constexpr):
-    """One online-softmax step over the keys at positions `k_pos` (base-2 logits).
+def attend_key_range(q, q_pos, key_start, key_end, key_head_ptr, value_head_ptr,
+                     block_table_row, dims, dim_valid, cache_stride_block, cache_stride_offset,
+                     scale_log2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HEAD_SIZE_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+    """Online softmax of the `q` rows over keys [key_start, key_end), base-2 logits.
 
-    Returns the updated (acc, m_i, l_i). Only keys with `k_valid` are read through the
-    block table, so cache slots past a request's range are never touched (they may hold
-    NaN). `allowed` (broadcastable to [BLOCK_M, BLOCK_N]) selects the (row, key) pairs
-    that count. The caller must make every row's running max finite in its first tile
-    (allow at least one key per row), or exp2(-inf - -inf) turns the row into NaN.
+    Row i sees the keys at positions <= q_pos[i] (causal). Returns (acc, m_i, l_i): the
+    unnormalized output, running max and sum. Only keys in the range are read through
+    the block table, so cache slots outside it are never touched (they may hold NaN).
+    Every row must see key_start, or exp2(-inf - -inf) turns the row into NaN.
     """
-    block_ids = tl.load(block_table_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
-    kv_offset = block_ids * cache_stride_block + (k_pos % BLOCK_SIZE) * cache_stride_offset
-    k_t = tl.load(key_head_ptr + kv_offset[None, :] + dims[:, None],
-                  mask=k_valid[None, :] & dim_valid[:, None], other=0.0)
-    if DOT_IN_FP32:
-        k_t = k_t.to(tl.float32)
-    scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
-    scores = tl.where(allowed, scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    p = tl.exp2(scores - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(value_head_ptr + kv_offset[:, None] + dims[None, :],
-                mask=k_valid[:, None] & dim_valid[None, :], other=0.0)
-    if DOT_IN_FP32:
-        v = v.to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
+    for tile_start in range(key_start, key_end, BLOCK_N):
+        k_pos = tile_start + tl.arange(0, BLOCK_N)
+        k_valid = k_pos < key_end
+        block_ids = tl.load(block_table_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+        kv_offset = block_ids * cache_stride_block + (k_pos % BLOCK_SIZE) * cache_stride_offset
+        k_t = tl.load(key_head_ptr + kv_offset[None, :] + dims[:, None],
+                      mask=k_valid[None, :] & dim_valid[:, None], other=0.0)
+        if DOT_IN_FP32:
+            k_t = k_t.to(tl.float32)
+        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
+        allowed = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+        scores = tl.where(allowed, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(value_head_ptr + kv_offset[:, None] + dims[None, :],
+                    mask=k_valid[:, None] & dim_valid[None, :], other=0.0)
+        if DOT_IN_FP32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -191,21 +199,13 @@ def _paged_attention_kernel(
 
     # Every row (padding rows too) may see key 0, so m_i is finite after the first tile.
     num_keys = context_len + tl.minimum(local_block * BLOCK_Q + BLOCK_Q, q_len)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
-    block_table_row = block_table_ptr + req.to(tl.int64) * block_table_stride
-    key_head_ptr = key_cache_ptr + kv_head * cache_stride_head
-    value_head_ptr = value_cache_ptr + kv_head * cache_stride_head
-    for tile_start in range(0, num_keys, BLOCK_N):
-        k_pos = tile_start + tl.arange(0, BLOCK_N)
-        k_valid = k_pos < num_keys
-        allowed = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
-        acc, m_i, l_i = attend_key_tile(
-            q, acc, m_i, l_i, key_head_ptr, value_head_ptr, block_table_row, k_pos, k_valid,
-            allowed, dims, dim_valid, cache_stride_block, cache_stride_offset, scale_log2,
-            BLOCK_SIZE, DOT_PRECISION, DOT_IN_FP32,
-        )
+    acc, m_i, l_i = attend_key_range(
+        q, q_pos, 0, num_keys, key_cache_ptr + kv_head * cache_stride_head,
+        value_cache_ptr + kv_head * cache_stride_head,
+        block_table_ptr + req.to(tl.int64) * block_table_stride, dims, dim_valid,
+        cache_stride_block, cache_stride_offset, scale_log2,
+        BLOCK_M, BLOCK_N, HEAD_SIZE_PADDED, BLOCK_SIZE, DOT_PRECISION, DOT_IN_FP32,
+    )
     acc = acc / l_i[:, None]
     tl.store(out_ptr + token[:, None] * out_stride_token + head[:, None] * out_stride_head
              + dims[None, :], acc.to(out_ptr.dtype.element_ty), mask=io_mask)

@@ -22,7 +22,7 @@ import triton.language as tl
 from kernels._triton.paged_attention import (
     LOG2E,
     NUM_STAGES,
-    attend_key_tile,
+    attend_key_range,
     begin_launch,
     dot_options,
     head_size_padded,
@@ -117,20 +117,14 @@ def _split_kv_decode_kernel(
         q = q.to(tl.float32)
     # The query is the request's last position: every key below seq_len is visible, and
     # every row (padding rows score 0) sees the split's first key, so m_i stays finite.
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
-    block_table_row = block_table_ptr + req.to(tl.int64) * block_table_stride
-    key_head_ptr = key_cache_ptr + kv_head * cache_stride_head
-    value_head_ptr = value_cache_ptr + kv_head * cache_stride_head
-    for tile_start in range(split_start, split_end, BLOCK_N):
-        k_pos = tile_start + tl.arange(0, BLOCK_N)
-        k_valid = k_pos < split_end
-        acc, m_i, l_i = attend_key_tile(
-            q, acc, m_i, l_i, key_head_ptr, value_head_ptr, block_table_row, k_pos, k_valid,
-            k_valid[None, :], dims, dim_valid, cache_stride_block, cache_stride_offset,
-            scale_log2, BLOCK_SIZE, DOT_PRECISION, DOT_IN_FP32,
-        )
+    q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + (seq_len - 1)
+    acc, m_i, l_i = attend_key_range(
+        q, q_pos, split_start, split_end, key_cache_ptr + kv_head * cache_stride_head,
+        value_cache_ptr + kv_head * cache_stride_head,
+        block_table_ptr + req.to(tl.int64) * block_table_stride, dims, dim_valid,
+        cache_stride_block, cache_stride_offset, scale_log2,
+        BLOCK_M, BLOCK_N, HEAD_SIZE_PADDED, BLOCK_SIZE, DOT_PRECISION, DOT_IN_FP32,
+    )
     tl.store(partial_out_ptr + scratch_row[:, None] * HEAD_SIZE + dims[None, :],
              acc / l_i[:, None], mask=io_mask)
     tl.store(lse_ptr + scratch_row, m_i + tl.log2(l_i), mask=row_valid)
