@@ -75,8 +75,8 @@ class ModelRunner:
     ``requests`` keeps the state of every request the scheduler has placed here
     and not finished, including preempted ones that are out of the batch.
     ``cudagraph_mode`` is downgraded to what the attention backend supports;
-    a mode other than NONE needs a CUDA device and ``capture_model()`` before
-    the first step.
+    a mode other than NONE needs a CUDA device (WorkerConfig checks it) and
+    ``capture_model()`` before the first step.
     """
 
     def __init__(
@@ -120,9 +120,6 @@ class ModelRunner:
 
     def _init_cudagraphs(self, requested: CUDAGraphMode, capture_sizes: list[int]) -> None:
         """Resolves the mode, builds the dispatcher and wraps the model (nothing captured yet)."""
-        if requested is not CUDAGraphMode.NONE and self.device.type != "cuda":
-            raise ValueError(f"cudagraph_mode {requested.name} needs a CUDA device, not "
-                             f"{self.device}; allowed on {self.device}: NONE")
         support = get_attention_backend(self.device).cudagraph_support
         mode = resolve_cudagraph_mode(
             requested, support, piecewise_available=hasattr(self.model, "wrap_pieces"),
@@ -331,7 +328,9 @@ class ModelRunner:
 
         Its attention metadata is what a real batch dispatched to (``graph_mode``,
         ``key``) gets; it runs eagerly unless ``capture``, when the graph is
-        captured (on the wrapper's first sight of the key) and replayed.
+        captured (on the wrapper's first sight of the key) and replayed. Every
+        slot is -1, which the Triton KV write skips: dummy runs happen only on
+        CUDA, where capture needs them.
         """
         num_reqs, num_tokens = key.num_reqs, key.num_tokens
         # One token per request, the first request taking the rest: uniform when equal.
