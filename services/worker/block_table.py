@@ -18,11 +18,12 @@ from kernels.slot_mapping import compute_slot_mapping
 class BlockTable:
     """Block ids per batch row, staged on the CPU and committed to ``device``.
 
-    Contract: ``add_row`` replaces a row, ``append_row`` extends it, ``move_row``
-    and ``swap_row`` follow the input batch's condense/reorder. Rows beyond a
-    request's ``num_blocks_per_row`` hold stale ids that nothing reads: the
-    slot mapping and the attention kernel only index blocks that cover the
-    request's positions.
+    Contract: ``add_row`` replaces a row, ``append_row`` extends it,
+    ``clear_row`` empties it and ``move_row`` follows the input batch's
+    condense (a row moves into an empty one). Entries beyond a row's
+    ``num_blocks_per_row`` hold stale ids that nothing reads: the slot mapping
+    and the attention kernel only index blocks that cover the request's
+    positions.
     """
 
     def __init__(
@@ -77,6 +78,7 @@ class BlockTable:
         self.append_row(block_ids, row)
 
     def clear_row(self, row: int) -> None:
+        """Empties row ``row`` (its request left the batch)."""
         self.num_blocks_per_row[row] = 0
 
     def move_row(self, src: int, dst: int) -> None:
@@ -85,10 +87,6 @@ class BlockTable:
         self.block_table_np[dst, :num_blocks] = self.block_table_np[src, :num_blocks]
         self.num_blocks_per_row[dst] = num_blocks
         self.num_blocks_per_row[src] = 0
-
-    def swap_row(self, a: int, b: int) -> None:
-        self.num_blocks_per_row[[a, b]] = self.num_blocks_per_row[[b, a]]
-        self.block_table_np[[a, b]] = self.block_table_np[[b, a]]
 
     def commit(self, num_reqs: int) -> None:
         """Copies the first ``num_reqs`` rows to the device in one transfer."""

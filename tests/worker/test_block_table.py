@@ -17,7 +17,7 @@ def row(table: BlockTable, r: int) -> list[int]:
     return table.block_table_np[r, : table.num_blocks_per_row[r]].tolist()
 
 
-def test_add_append_move_swap_clear():
+def test_add_append_move_clear():
     table = make_table()
     table.add_row([7, 3], 0)
     table.append_row([9], 0)
@@ -32,10 +32,6 @@ def test_add_append_move_swap_clear():
     table.move_row(0, 2)
     assert row(table, 2) == [2, 4]
     assert table.num_blocks_per_row[0] == 0
-
-    table.swap_row(1, 2)
-    assert row(table, 1) == [2, 4]
-    assert row(table, 2) == [5]
 
     table.clear_row(1)
     assert row(table, 1) == []

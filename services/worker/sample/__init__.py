@@ -3,9 +3,9 @@ SamplingMetadata (one step's view), Sampler, and logprob helpers."""
 
 from services.worker.sample.logits_processor import ThinkingConfig
 from services.worker.sample.logprobs import LogprobsTensors, compute_prompt_logprobs
-from services.worker.sample.metadata import SamplingMetadata
 from services.worker.sample.sampler import Sampler, SamplerOutput
-from services.worker.sample.state import SamplingState
+from services.worker.sample.sampling_metadata import SamplingMetadata
+from services.worker.sample.sampling_state import SamplingState
 
 __all__ = [
     "LogprobsTensors",

@@ -9,9 +9,9 @@ from torch import nn
 
 from services.common.engine import Logprobs
 from services.worker.sample.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
-from services.worker.sample.metadata import SAMPLING_EPS, SamplingMetadata
 from services.worker.sample.ops.penalties import apply_penalties, make_padded_token_ids
 from services.worker.sample.ops.topk_topp import apply_top_k_top_p, random_sample
+from services.worker.sample.sampling_metadata import SAMPLING_EPS, SamplingMetadata
 
 
 @dataclass(slots=True)

@@ -22,31 +22,7 @@ from services.worker.sample.logits_processor import (
     process_dict_updates,
 )
 
-SWAP = MoveDirectionality.SWAP
 UNI = MoveDirectionality.UNIDIRECTIONAL
-
-
-def test_removed_sorted_descending_and_pop_returns_lowest() -> None:
-    builder = BatchUpdateBuilder()
-    for row in (7, 3, 5):
-        builder.removed_append(row)
-    assert builder.has_removed()
-    assert builder.peek_removed() == 3
-    assert builder.removed == [7, 5, 3]
-    assert builder.pop_removed() == 3
-    assert builder.pop_removed() == 5
-    assert builder.removed == [7]
-
-
-def test_removed_append_after_read_raises_until_reset() -> None:
-    builder = BatchUpdateBuilder()
-    builder.removed_append(2)
-    assert builder.peek_removed() == 2
-    with pytest.raises(RuntimeError, match="removed row 4"):
-        builder.removed_append(4)
-    builder.get_and_reset(batch_size=1)
-    builder.removed_append(4)  # a new step may register removals again
-    assert builder.removed == [4]
 
 
 def test_discard_removed() -> None:
@@ -82,7 +58,7 @@ def _bias(params: SamplingParams, _prompt: object, _output: object) -> dict[int,
     return params.logit_bias or None
 
 
-def test_process_dict_updates_add_remove_move_swap() -> None:
+def test_process_dict_updates_add_remove_move() -> None:
     entries: dict[int, dict[int, float]] = {}
     p_a = SamplingParams(logit_bias={100: 0.5})
     p_b = SamplingParams(logit_bias={200: -0.3})
@@ -92,18 +68,14 @@ def test_process_dict_updates_add_remove_move_swap() -> None:
     assert process_dict_updates(entries, added, _bias) is True
     assert entries == {0: {100: 0.5}, 1: {200: -0.3}}
 
-    swapped = BatchUpdate(2, removed=[], added=[], moved=[(0, 1, SWAP)])
-    assert process_dict_updates(entries, swapped, _bias) is True
-    assert entries == {0: {200: -0.3}, 1: {100: 0.5}}
-
     moved = BatchUpdate(3, removed=[], added=[], moved=[(1, 2, UNI)])
     assert process_dict_updates(entries, moved, _bias) is True
-    assert entries == {0: {200: -0.3}, 2: {100: 0.5}}
+    assert entries == {0: {100: 0.5}, 2: {200: -0.3}}
 
     # A request without a bias added at an occupied row drops the stale state.
     replaced = BatchUpdate(3, removed=[], added=[(0, p_none, [], [])], moved=[])
     assert process_dict_updates(entries, replaced, _bias) is True
-    assert entries == {2: {100: 0.5}}
+    assert entries == {2: {200: -0.3}}
 
     assert process_dict_updates(entries, None, _bias) is False
     untouched = BatchUpdate(3, removed=[1], added=[(1, p_none, [], [])], moved=[])

@@ -74,8 +74,6 @@ def test_row_checks() -> None:
         state.add_request(0, SamplingParams(), [1], [])
     with pytest.raises(ValueError, match="row 1 is empty"):
         state.remove_request(1)
-    with pytest.raises(ValueError, match="row 1 is empty"):
-        state.swap_requests(0, 1)
     match = r"rows \[0, 2\) must hold exactly the batch; occupied rows: \[0\]"
     with pytest.raises(ValueError, match=match):
         state.make_sampling_metadata(2)
@@ -96,15 +94,15 @@ def test_add_or_remove_after_a_move_in_the_same_step_raises() -> None:
     state.add_request(0, SamplingParams(), [1], [])
     state.add_request(1, SamplingParams(), [1], [])
     state.make_sampling_metadata(2)
-    state.swap_requests(0, 1)
+    state.remove_request(0)
+    state.move_request(1, 0)
     with pytest.raises(RuntimeError, match="removed -> added -> moved"):
         state.add_request(2, SamplingParams(), [1], [])
     with pytest.raises(RuntimeError, match="removed -> added -> moved"):
         state.remove_request(0)
-    state.make_sampling_metadata(2)
-    state.remove_request(0)  # a new step
-    state.move_request(1, 0)
     state.make_sampling_metadata(1)
+    state.add_request(1, SamplingParams(), [1], [])  # a new step
+    state.make_sampling_metadata(2)
 
 
 def test_add_then_remove_in_one_step_never_reaches_processors() -> None:
@@ -272,10 +270,6 @@ def test_fuzz_processor_state_follows_requests(seed: int) -> None:
             src, dst = max(rows), min(r for r in range(MAX_REQS) if r not in rows)
             state.move_request(src, dst)
             rows[dst] = rows.pop(src)
-        for _ in range(rng.randint(0, 2) if len(rows) >= 2 else 0):
-            a, b = rng.sample(sorted(rows), k=2)
-            state.swap_requests(a, b)
-            rows[a], rows[b] = rows[b], rows[a]
         check_step(state, rows, gen)
         for req in rows.values():
             if rng.random() < 0.8:  # the rest were mid-prefill: no token this step

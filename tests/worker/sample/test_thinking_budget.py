@@ -83,17 +83,15 @@ def test_requests_without_budget_are_untouched() -> None:
     assert outputs == [[START, 5, 5, 5], [START, 5, END_A, END_B]]
 
 
-def test_state_follows_swaps_and_moves() -> None:
+def test_state_follows_moves() -> None:
     state = SamplingState(3, VOCAB, CPU, thinking=THINKING)
     outputs: list[list[int]] = [[], [], []]
-    for row, budget in enumerate((1, 3, 2)):
+    for row, budget in enumerate((3, 1, 2)):
         params = SamplingParams(temperature=0.0, thinking_token_budget=budget)
         state.add_request(row, params, [1], outputs[row])
     run(state, outputs, [[START] * 3])
-    state.swap_requests(0, 1)
-    outputs[0], outputs[1] = outputs[1], outputs[0]
     run(state, outputs, [[5] * 3])
-    # Budget-1 request (now row 1) is forced next; budget 3 (row 0) and 2 (row 2) are not.
+    # Budget-1 request (row 1) is forced next; budget 3 (row 0) and 2 (row 2) are not.
     state.remove_request(0)
     state.move_request(2, 0)
     outputs = [outputs[2], outputs[1]]

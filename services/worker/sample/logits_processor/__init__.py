@@ -18,6 +18,7 @@ from services.worker.sample.logits_processor.interface import (
     MovedRequest,
     MoveDirectionality,
     RemovedRequest,
+    ThinkingConfig,
     process_dict_updates,
 )
 from services.worker.sample.logits_processor.loader import (
@@ -27,10 +28,7 @@ from services.worker.sample.logits_processor.loader import (
     load_custom_logitsprocs,
 )
 from services.worker.sample.logits_processor.state import LogitsProcessors
-from services.worker.sample.logits_processor.thinking import (
-    ThinkingBudgetLogitsProcessor,
-    ThinkingConfig,
-)
+from services.worker.sample.logits_processor.thinking import ThinkingBudgetLogitsProcessor
 
 __all__ = [
     "AdapterLogitsProcessor",

@@ -2,43 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import torch
 
 from services.common.sampling_params import SamplingParams
+from services.worker.sample.logits_processor.device_tensors import sparse_index, to_device_tensor
 from services.worker.sample.logits_processor.interface import (
     BatchUpdate,
     LogitsProcessor,
     LogitsProcessorConfig,
-    MoveDirectionality,
     process_dict_updates,
 )
-
-
-def to_device_tensor(
-    data: Sequence[int] | Sequence[float],
-    dtype: torch.dtype,
-    device: torch.device,
-    pin_memory: bool,
-) -> torch.Tensor:
-    """Build on the CPU (pinned when asked) and copy asynchronously to ``device``."""
-    cpu = torch.tensor(data, dtype=dtype, device="cpu")
-    if device.type == "cpu":
-        return cpu
-    if pin_memory:
-        cpu = cpu.pin_memory()
-    return cpu.to(device, non_blocking=True)
-
-
-def sparse_index(rows: list[int], token_ids: list[int], device: torch.device,
-                 pin_memory: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, token id) pairs as two int64 tensors, for indexing a logits batch."""
-    return (
-        to_device_tensor(rows, torch.int64, device, pin_memory),
-        to_device_tensor(token_ids, torch.int64, device, pin_memory),
-    )
 
 
 class MinPLogitsProcessor(LogitsProcessor):
@@ -79,12 +53,10 @@ class MinPLogitsProcessor(LogitsProcessor):
             min_p[row] = 0.0
         for row, params, _, _ in batch_update.added:
             min_p[row] = params.min_p
-        for src, dst, direction in batch_update.moved:
-            if direction is MoveDirectionality.SWAP:
-                min_p[[src, dst]] = min_p[[dst, src]]
-            else:
-                min_p[dst] = min_p[src]
-                min_p[src] = 0.0
+        # kvmesh's batch only emits UNIDIRECTIONAL moves (see MoveDirectionality).
+        for src, dst, _ in batch_update.moved:
+            min_p[dst] = min_p[src]
+            min_p[src] = 0.0
         self._num_active = int(np.count_nonzero(min_p))
         if self._num_active:
             size = batch_update.batch_size

@@ -12,21 +12,23 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import torch
 
 from services.common.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from services.worker.sample.logits_processor.thinking import ThinkingConfig
-
 
 class MoveDirectionality(enum.Enum):
-    """How a request changed rows in the persistent batch."""
+    """How a request changed rows in the persistent batch.
+
+    kvmesh's persistent batch only condenses, so it only emits UNIDIRECTIONAL
+    moves. SWAP stays (with vLLM's meaning) because third-party processors
+    written for vLLM import it.
+    """
 
     UNIDIRECTIONAL = enum.auto()  # i1 -> i2; i1 is left empty
-    SWAP = enum.auto()  # i1 <-> i2; both rows stay occupied
+    SWAP = enum.auto()  # i1 <-> i2; both rows stay occupied (never emitted by kvmesh)
 
 
 RemovedRequest = int
@@ -41,14 +43,31 @@ class BatchUpdate:
     """The persistent batch's changes since the previous step.
 
     Apply in this order: ``removed``, then ``added``, then ``moved`` (in list
-    order). An ``added`` row replaces whatever state the row held. After the
-    update the batch occupies rows ``[0, batch_size)``.
+    order). An ``added`` row replaces whatever state the row held. Every
+    ``moved`` entry is UNIDIRECTIONAL: the request leaves ``src`` empty and
+    lands in an empty ``dst``. After the update the batch occupies rows
+    ``[0, batch_size)``.
     """
 
     batch_size: int
     removed: Sequence[RemovedRequest]
     added: Sequence[AddedRequest]
     moved: Sequence[MovedRequest]
+
+
+@dataclass(frozen=True, slots=True)
+class ThinkingConfig:
+    """The model's think start/end token sequences (each non-empty)."""
+
+    think_start_token_ids: tuple[int, ...]
+    think_end_token_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("think_start_token_ids", "think_end_token_ids"):
+            ids = tuple(getattr(self, name))
+            if not ids:
+                raise ValueError(f"{name} must hold at least one token id")
+            object.__setattr__(self, name, ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,8 +144,7 @@ def process_dict_updates(
             changed = True
         elif req_entries.pop(row, None) is not None:
             changed = True
-    for src, dst, direction in batch_update.moved:
-        # Pop both first so a swap never overwrites the entry it still needs.
+    for src, dst, _ in batch_update.moved:  # UNIDIRECTIONAL only (see BatchUpdate)
         src_entry = req_entries.pop(src, None)
         dst_entry = req_entries.pop(dst, None)
         if src_entry is not None:
@@ -134,6 +152,4 @@ def process_dict_updates(
             changed = True
         if dst_entry is not None:
             changed = True
-            if direction is MoveDirectionality.SWAP:
-                req_entries[src] = dst_entry
     return changed

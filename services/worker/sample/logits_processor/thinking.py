@@ -15,28 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from services.common.sampling_params import SamplingParams
-from services.worker.sample.logits_processor.builtin import to_device_tensor
+from services.worker.sample.logits_processor.device_tensors import to_device_tensor
 from services.worker.sample.logits_processor.interface import (
     BatchUpdate,
     LogitsProcessor,
     LogitsProcessorConfig,
     process_dict_updates,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class ThinkingConfig:
-    """The model's think start/end token sequences (each non-empty)."""
-
-    think_start_token_ids: tuple[int, ...]
-    think_end_token_ids: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        for name in ("think_start_token_ids", "think_end_token_ids"):
-            ids = tuple(getattr(self, name))
-            if not ids:
-                raise ValueError(f"{name} must hold at least one token id")
-            object.__setattr__(self, name, ids)
 
 
 def _find_last(tokens: list[int], seq: list[int]) -> int:

@@ -1,9 +1,10 @@
 """SamplingState: the persistent batch's per-row sampling parameters.
 
 The runner's InputBatch owns the row of each request and reports every change
-here (add / remove / move / swap). Parameters live in preallocated CPU arrays
-and reach the device in one copy per step, only after a change; logits
-processors follow the rows through one BatchUpdate per step.
+here (add / remove / move; condense only moves a row into an empty one).
+Parameters live in preallocated CPU arrays and reach the device in one copy
+per step, only after a change; logits processors follow the rows through one
+BatchUpdate per step.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from services.worker.sample.logits_processor import (
     build_logitsprocs,
 )
 from services.worker.sample.logprobs import resolve_num_logprobs
-from services.worker.sample.metadata import SAMPLING_EPS, SamplingMetadata
 from services.worker.sample.ops.penalties import make_padded_token_ids
+from services.worker.sample.sampling_metadata import SAMPLING_EPS, SamplingMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ _NUM_FIELDS = 6
 
 _MASK64 = (1 << 64) - 1
 _ORDER_ERROR = (
-    "add_request/remove_request after move_request/swap_requests in the same step: "
+    "add_request/remove_request after move_request in the same step: "
     "a BatchUpdate applies removed -> added -> moved, so call them in that order"
 )
 
@@ -72,10 +73,10 @@ class SamplingState:
     """Sampling parameters and logits processors for rows ``[0, max_num_reqs)``.
 
     Call order within a step (the order a BatchUpdate applies them):
-    ``remove_request`` / ``add_request``, then ``move_request`` /
-    ``swap_requests``, then ``make_sampling_metadata(num_reqs)``, which needs
-    rows ``[0, num_reqs)`` to hold exactly the batch. Tensors in the returned
-    metadata stay valid until the next change to this state.
+    ``remove_request`` / ``add_request``, then ``move_request``, then
+    ``make_sampling_metadata(num_reqs)``, which needs rows ``[0, num_reqs)``
+    to hold exactly the batch. Tensors in the returned metadata stay valid
+    until the next change to this state.
     """
 
     def __init__(
@@ -215,29 +216,6 @@ class SamplingState:
             self._has_allowed[dst], self._has_allowed[src] = True, False
         self._occupied[dst], self._occupied[src] = True, False
         self._builder.moved.append((src, dst, MoveDirectionality.UNIDIRECTIONAL))
-        self._metadata = None
-
-    def swap_requests(self, a: int, b: int) -> None:
-        """Exchange the requests in two occupied rows."""
-        self._check_row(a, occupied=True)
-        self._check_row(b, occupied=True)
-        if a == b:
-            return
-        pair, swapped = [a, b], [b, a]
-        self._params_np[:, pair] = self._params_np[:, swapped]
-        self._num_logprobs[pair] = self._num_logprobs[swapped]
-        for lists in (self._prompt_token_ids, self._output_token_ids):
-            lists[a], lists[b] = lists[b], lists[a]
-        seeded_a, seeded_b = self._seeded.pop(a, None), self._seeded.pop(b, None)
-        if seeded_a is not None:
-            self._seeded[b] = seeded_a
-        if seeded_b is not None:
-            self._seeded[a] = seeded_b
-        if self._has_allowed[a] or self._has_allowed[b]:
-            assert self._disallowed_cpu is not None
-            self._disallowed_cpu[pair] = self._disallowed_cpu[swapped]
-            self._has_allowed[pair] = self._has_allowed[swapped]
-        self._builder.moved.append((a, b, MoveDirectionality.SWAP))
         self._metadata = None
 
     # ---- per step ------------------------------------------------------------
