@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from google.protobuf import struct_pb2
 from kvmesh.v1 import api_pb2
@@ -31,9 +31,7 @@ from services.common.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
-
-if TYPE_CHECKING:  # the scheduler's stats type; imported for annotations only
-    from services.scheduler.scheduler import SchedulerStats
+from services.common.stats import SchedulerStats
 
 # ---------------------------------------------------------------- sampling
 

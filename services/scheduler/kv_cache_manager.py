@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.scheduler.block_hash import BlockHash
 from services.scheduler.block_pool import BlockPool
-from services.scheduler.kv_cache_utils import BlockHash, KVCacheBlock
+from services.scheduler.kv_cache_utils import KVCacheBlock
 from services.scheduler.kv_store import KVStateDelta, KVStateSnapshot, KVStore
 from services.scheduler.request import Request
 

@@ -1,9 +1,9 @@
 """Mirror of one worker's KV block accounting in a store (Redis, or memory for tests).
 
 The scheduler's in-memory state is authoritative; the store gets each step's
-changes in one round trip and serves three readers: recovery (a restarted
-scheduler rebuilds its prefix index), visibility (block usage from any
-service) and routing (``longest_prefix_hit``).
+changes in one round trip and serves two readers: recovery (a restarted
+scheduler rebuilds its prefix index) and visibility (block usage from any
+service). Placement reads the scheduler's own block pools, never the store.
 
 Redis layout, every key under ``kvmesh:{model}:{worker_id}:``:
 
@@ -17,13 +17,12 @@ Redis layout, every key under ``kvmesh:{model}:{worker_id}:``:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 import redis
 
-from services.scheduler.kv_cache_utils import BlockHash
+from services.scheduler.block_hash import BlockHash
 
 K = TypeVar("K")
 
@@ -86,9 +85,6 @@ class KVStore(Protocol):
     def load(self) -> KVStateSnapshot | None:
         """The stored state, or None if nothing is stored."""
 
-    def longest_prefix_hit(self, block_hashes: Sequence[BlockHash]) -> int:
-        """How many leading hashes are in the prefix index (stops at the first miss)."""
-
 
 def _merge(target: dict[K, list[int]], updates: dict[K, list[int] | None]) -> None:
     for key, value in updates.items():
@@ -132,15 +128,6 @@ class InMemoryKVStore:
             block_token_ids={b: list(t) for b, t in s.block_token_ids.items()},
             free_order=sorted(self._free_seq, key=self._free_seq.__getitem__),
         )
-
-    def longest_prefix_hit(self, block_hashes: Sequence[BlockHash]) -> int:
-        cached = self._state.cached if self._state is not None else {}
-        num_hits = 0
-        for block_hash in block_hashes:
-            if block_hash.hex() not in cached:
-                break
-            num_hits += 1
-        return num_hits
 
 
 def _encode_ids(ids: list[int]) -> str:
@@ -213,17 +200,6 @@ class RedisKVStore:
             block_token_ids={int(b): _decode_ids(t) for b, t in block_tokens.items()},
             free_order=[int(b) for b in free_order],
         )
-
-    def longest_prefix_hit(self, block_hashes: Sequence[BlockHash]) -> int:
-        if not block_hashes:
-            return 0
-        found = self.client.hmget(self.prefix_key, [h.hex() for h in block_hashes])
-        num_hits = 0
-        for ids in found:
-            if ids is None:
-                break
-            num_hits += 1
-        return num_hits
 
     def close(self) -> None:
         self.client.close()

@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 
 from services.common.engine import EngineCoreRequest, FinishReason
 from services.common.sampling_params import SamplingParams
-from services.scheduler.kv_cache_utils import BlockHash
-
-# Returns the hashes of the request's full blocks that are not yet in
-# ``request.block_hashes`` (see kv_cache_utils.get_request_block_hasher).
-BlockHasher = Callable[["Request"], list[BlockHash]]
+from services.scheduler.block_hash import BlockHash, BlockHasher
 
 
 class RequestStatus(enum.IntEnum):

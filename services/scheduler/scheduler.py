@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from services.common.engine import (
     EngineCoreOutput,
@@ -30,9 +29,10 @@ from services.common.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from services.common.stats import SchedulerStats
+from services.scheduler.block_hash import get_request_block_hasher
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.kv_cache_utils import get_request_block_hasher
 from services.scheduler.kv_store import KVStore
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.request_queue import SchedulingPolicy, create_request_queue
@@ -41,23 +41,6 @@ from services.scheduler.stop import check_stop
 
 class WaitingQueueFullError(RuntimeError):
     """``add_request`` when ``max_num_waiting`` requests already wait (RESOURCE_EXHAUSTED)."""
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    num_running_reqs: int
-    num_waiting_reqs: int
-    num_total_blocks: int  # usable blocks: the null block is not counted
-    num_free_blocks: int
-    num_cached_blocks: int
-    kv_cache_usage: float  # 0..1
-    num_preemptions: int  # cumulative
-    prefix_cache_queries: int  # cumulative, in tokens
-    prefix_cache_hits: int  # cumulative, in tokens
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class Scheduler:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from services.common.sampling_params import SamplingParams
+from services.scheduler.block_hash import get_request_block_hasher
 from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.kv_cache_utils import get_request_block_hasher
 from services.scheduler.request import Request
 
 BLOCK_SIZE = 16

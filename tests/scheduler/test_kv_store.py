@@ -13,12 +13,9 @@ import pytest
 import redis
 
 from services.common.sampling_params import SamplingParams
+from services.scheduler.block_hash import get_request_block_hasher
 from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.kv_cache_utils import (
-    KVCacheBlock,
-    get_request_block_hasher,
-    hash_block_tokens,
-)
+from services.scheduler.kv_cache_utils import KVCacheBlock
 from services.scheduler.kv_store import InMemoryKVStore, KVStateDelta, KVStore, RedisKVStore
 from services.scheduler.request import Request
 
@@ -181,21 +178,6 @@ def test_disabled_caching_does_not_restore(make_store):
     new = KVCacheManager(11, BLOCK_SIZE, 1024, enable_caching=False, store=make_store())
     assert new.num_cached_blocks == 0
     assert new.store.load().cached == {}
-
-
-def test_longest_prefix_hit_stops_at_the_first_miss(make_store):
-    store = make_store()
-    manager = KVCacheManager(11, BLOCK_SIZE, 1024, store=store)
-    assert store.longest_prefix_hit([hash_block_tokens(None, [1])]) == 0
-    req = make_request("r", PREFIX + [1])
-    schedule(manager, req)
-    manager.commit()
-    h0, h1, h2 = req.block_hashes
-    missing = hash_block_tokens(None, [12345])
-    assert store.longest_prefix_hit([h0, h1, h2]) == 3
-    assert store.longest_prefix_hit([h0, h1, missing, h2]) == 2
-    assert store.longest_prefix_hit([missing, h0]) == 0
-    assert store.longest_prefix_hit([]) == 0
 
 
 class RoundTripCounter:
