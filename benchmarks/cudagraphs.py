@@ -29,13 +29,15 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM
 
+from kvmesh.offline import LLM
 from services.common.engine import EngineCoreRequest
+from services.common.limits import SchedulingLimits
 from services.common.model_files import resolve_model_dir
 from services.common.sampling_params import SamplingParams
-from services.frontend.llm import LLM
-from services.scheduler.config import SchedulerConfig
+from services.scheduler.config import SchedulingOptions, make_scheduler_config
 from services.scheduler.scheduler import Scheduler
-from services.worker.worker import Worker, WorkerConfig
+from services.worker.config import WorkerConfig
+from services.worker.worker import Worker
 
 MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 BASELINE_MODE = "NONE"
@@ -125,24 +127,21 @@ def decode_worker(model_dir: str, args: argparse.Namespace, mode: str) -> tuple[
     # The KV pool holds the largest batch and no more: zeroing a pool sized to
     # 90% of the GPU would only slow down each mode's start.
     num_kv_blocks = max_num_seqs * math.ceil(tokens_per_seq / BLOCK_SIZE) + 1
-    worker = Worker(WorkerConfig(
+    limits = SchedulingLimits(max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max(2048, max_num_seqs))
+    config = WorkerConfig(
         model=model_dir, dtype=args.dtype, device=args.device, block_size=BLOCK_SIZE,
-        num_kv_blocks=num_kv_blocks,
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max(2048, max_num_seqs),
-        cudagraph_mode=mode,
-    ))
+        num_kv_blocks=num_kv_blocks, limits=limits, cudagraph_mode=mode,
+    )
+    worker = Worker(config)
     worker.load_model()
     start = time.perf_counter()
     worker.initialize_kv_cache()  # captures the graphs
-    info = worker.registration_info()
     # The runner may downgrade the mode to what the attention backend supports.
     resolved = worker.model_runner.cudagraph_mode.name
     print(f"  {mode} (runs as {resolved}): KV cache + graph capture {time.perf_counter() - start:.1f} s")
-    scheduler = Scheduler(SchedulerConfig(
-        num_blocks=info.num_blocks, block_size=info.block_size, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=info.max_num_batched_tokens, max_model_len=info.max_model_len,
-    ))
-    return worker, scheduler
+    options = SchedulingOptions(limits=limits)
+    return worker, Scheduler(make_scheduler_config(options, worker.registration_info(), 0))
 
 
 def engine_step(scheduler: Scheduler, worker: Worker) -> tuple[float, int]:

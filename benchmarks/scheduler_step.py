@@ -18,7 +18,8 @@ import time
 from collections.abc import Callable
 
 from services.common.engine import EngineCoreRequest
-from services.common.outputs import ModelRunnerOutput
+from services.common.limits import SchedulingLimits
+from services.common.model_runner_output import ModelRunnerOutput
 from services.common.redis_server import EmbeddedRedis
 from services.common.sampling_params import SamplingParams
 from services.common.scheduler_output import SchedulerOutput
@@ -71,8 +72,7 @@ def decode_case(num_reqs: int, num_steps: int, store: KVStore) -> float:
     max_model_len = PROMPT_LEN + BLOCK_SIZE + num_steps + 64
     config = SchedulerConfig(
         num_blocks=num_reqs * (max_model_len // BLOCK_SIZE + 1) + 1,
-        max_num_batched_tokens=8192,
-        max_num_seqs=num_reqs,
+        limits=SchedulingLimits(max_num_batched_tokens=8192, max_num_seqs=num_reqs),
         max_model_len=max_model_len,
     )
     scheduler = Scheduler(config, store)
@@ -92,8 +92,7 @@ def mixed_case(num_reqs: int, num_steps: int, store: KVStore) -> float:
     """Median step time with ``num_reqs`` live requests, finished ones replaced by new prompts."""
     config = SchedulerConfig(
         num_blocks=num_reqs * 20 + 1,
-        max_num_batched_tokens=2048,
-        max_num_seqs=num_reqs,
+        limits=SchedulingLimits(max_num_batched_tokens=2048, max_num_seqs=num_reqs),
         max_model_len=1024,
         long_prefill_token_threshold=512,
     )

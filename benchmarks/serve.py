@@ -246,7 +246,7 @@ def start_cluster(args: argparse.Namespace, stack: ExitStack) -> str:
 
 
 def make_inprocess_engine(args: argparse.Namespace, workload: list[BenchRequest]):
-    from services.frontend.llm_engine import EngineArgs, LLMEngine
+    from kvmesh.offline import EngineArgs, LLMEngine
 
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=args.model, max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,

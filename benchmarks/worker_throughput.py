@@ -23,12 +23,15 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from kvmesh.offline import EngineCore
 from services.common.engine import EngineCoreRequest
+from services.common.limits import SchedulingLimits
 from services.common.model_files import resolve_model_dir
 from services.common.sampling_params import SamplingParams
-from services.scheduler.config import SchedulerConfig
+from services.scheduler.config import SchedulingOptions
 from services.scheduler.scheduler import Scheduler
-from services.worker.worker import Worker, WorkerConfig
+from services.worker.config import WorkerConfig
+from services.worker.worker import Worker
 
 TOPICS = (
     "the sea", "a lighthouse", "autumn leaves", "a lost key", "the moon", "a busy market",
@@ -58,19 +61,14 @@ def make_prompts(tokenizer, n: int) -> list[list[int]]:
 
 def make_engine(model_dir, max_num_seqs: int, kv_cache_gib: float,
                 max_num_batched_tokens: int = 2048) -> tuple[Worker, Scheduler]:
-    worker = Worker(WorkerConfig(
-        model=str(model_dir), dtype="float32", kv_cache_gib=kv_cache_gib,
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=1024,
-    ))
-    worker.load_model()
-    worker.initialize_kv_cache()
-    info = worker.registration_info()
-    scheduler = Scheduler(SchedulerConfig(
-        num_blocks=info.num_blocks, block_size=info.block_size, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, max_model_len=info.max_model_len,
-    ))
-    return worker, scheduler
+    limits = SchedulingLimits(max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens)
+    engine_core = EngineCore.create(
+        WorkerConfig(model=str(model_dir), dtype="float32", kv_cache_gib=kv_cache_gib,
+                     limits=limits, max_model_len=1024),
+        SchedulingOptions(limits=limits),
+    )
+    return engine_core.worker, engine_core.scheduler
 
 
 def greedy(req_id: str, prompt: list[int], max_tokens: int) -> EngineCoreRequest:

@@ -21,16 +21,10 @@ from typing import Any
 
 import grpc
 from kvmesh.v1 import api_pb2, api_pb2_grpc, engine_pb2
+from services.common.rpc import CHANNEL_OPTIONS
 
 ChatMessage = Mapping[str, str]
 
-_DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-_CHANNEL_OPTIONS = (
-    ("grpc.max_send_message_length", _DEFAULT_MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", _DEFAULT_MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-)
 # The client streams deltas; every field left unset takes vLLM's default on the server.
 _DEFAULTS: dict[str, Any] = {"output_kind": engine_pb2.DELTA}
 _SAMPLING_FIELDS = frozenset(engine_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
@@ -64,7 +58,7 @@ class Client:
     def __init__(self, address: str, *, timeout_s: float | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = api_pb2_grpc.GenerationStub(self._channel)
 
     def generate(

@@ -18,6 +18,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from kvmesh.offline import EngineCore
 from kvmesh.v1 import api_pb2, scheduler_pb2_grpc
 from services.common.convert import (
     abort_message,
@@ -25,18 +26,17 @@ from services.common.convert import (
     engine_core_output_from_proto,
 )
 from services.common.engine import EngineCoreOutput, EngineCoreRequest
+from services.common.limits import SchedulingLimits
 from services.common.sampling_params import SamplingParams
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.scheduler import Scheduler
-from services.scheduler.server import SchedulerServer, SchedulerServiceConfig, serve_scheduler
-from services.worker.server import WorkerService, WorkerServiceConfig
-from services.worker.worker import Worker, WorkerConfig
+from services.scheduler.config import SchedulerServiceConfig, SchedulingOptions
+from services.scheduler.server import SchedulerServer, serve_scheduler
+from services.worker.config import WorkerConfig, WorkerServiceConfig
+from services.worker.server import WorkerService
 
 VOCAB_SIZE = 256
 NUM_KV_BLOCKS = 64  # including the null block
 MAX_MODEL_LEN = 256
-MAX_NUM_SEQS = 16
-MAX_NUM_BATCHED_TOKENS = 512
+LIMITS = SchedulingLimits(max_num_seqs=16, max_num_batched_tokens=512)
 
 
 def save_tiny_llama(path: Path) -> Path:
@@ -58,8 +58,7 @@ def save_tiny_llama(path: Path) -> Path:
 
 def worker_config(model_dir: Path, **overrides) -> WorkerConfig:
     fields = dict(model=str(model_dir), dtype="float32", num_kv_blocks=NUM_KV_BLOCKS,
-                  max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
-                  max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, num_threads=1)
+                  max_model_len=MAX_MODEL_LEN, limits=LIMITS, num_threads=1)
     fields.update(overrides)
     return WorkerConfig(**fields)
 
@@ -70,28 +69,20 @@ def greedy_request(req_id: str, prompt: list[int], max_tokens: int) -> EngineCor
 
 
 def reference_tokens(model_dir: Path, requests: list[EngineCoreRequest]) -> dict[str, list[int]]:
-    """The in-process Scheduler + Worker result for ``requests`` (the oracle)."""
-    worker = Worker(worker_config(model_dir))
-    worker.load_model()
-    worker.initialize_kv_cache()
-    info = worker.registration_info()
-    scheduler = Scheduler(SchedulerConfig(
-        num_blocks=info.num_blocks, block_size=info.block_size, max_model_len=info.max_model_len,
-        max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS))
+    """The in-process engine core's result for ``requests`` (the oracle)."""
+    engine_core = EngineCore.create(worker_config(model_dir), SchedulingOptions(limits=LIMITS))
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
     for request in requests:
-        scheduler.add_request(request)
-    while scheduler.has_requests():
-        scheduler_output = scheduler.schedule()
-        runner_output = worker.execute_model(scheduler_output)
-        for outputs in scheduler.update_from_output(scheduler_output, runner_output).values():
-            for output in outputs.outputs:
-                tokens[output.request_id].extend(output.new_token_ids)
+        engine_core.add_request(request)
+    while engine_core.has_requests():
+        for output in engine_core.step().outputs:
+            tokens[output.request_id].extend(output.new_token_ids)
     return tokens
 
 
-async def start_scheduler(**overrides) -> SchedulerServer:
-    fields = dict(port=0, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+async def start_scheduler(scheduling: SchedulingOptions | None = None,
+                          **overrides) -> SchedulerServer:
+    fields = dict(port=0, scheduling=scheduling or SchedulingOptions(limits=LIMITS))
     fields.update(overrides)
     return await serve_scheduler(SchedulerServiceConfig(**fields))
 

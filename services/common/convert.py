@@ -8,7 +8,6 @@ numbers in ``SamplingParams.extra_args`` come back as floats.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, fields
 from typing import Any
 
 from google.protobuf import struct_pb2
@@ -23,7 +22,8 @@ from services.common.engine import (
     FinishReason,
     Logprobs,
 )
-from services.common.outputs import ModelRunnerOutput
+from services.common.limits import SchedulingLimits
+from services.common.model_runner_output import ModelRunnerOutput
 from services.common.registration import WorkerRegistration
 from services.common.sampling_params import RequestOutputKind, SamplingParams
 from services.common.scheduler_output import (
@@ -333,7 +333,27 @@ def frontend_message_from_proto(msg: spb.FrontendMessage) -> EngineCoreRequest |
 
 
 def registration_message(r: WorkerRegistration) -> spb.WorkerMessage:
-    return spb.WorkerMessage(registration=spb.WorkerRegistration(**asdict(r)))
+    msg = spb.WorkerRegistration(
+        worker_id=r.worker_id, model=r.model, dtype=r.dtype, block_size=r.block_size,
+        num_blocks=r.num_blocks, max_model_len=r.max_model_len, vocab_size=r.vocab_size,
+        eos_token_ids=r.eos_token_ids,
+    )
+    if r.limits is not None:
+        msg.max_num_seqs = r.limits.max_num_seqs
+        msg.max_num_batched_tokens = r.limits.max_num_batched_tokens
+    return spb.WorkerMessage(registration=msg)
+
+
+def _registration_from_proto(r: spb.WorkerRegistration) -> WorkerRegistration:
+    """ValueError when the limits are half reported or out of range."""
+    limits = None
+    if r.max_num_seqs or r.max_num_batched_tokens:  # both 0: not reported
+        limits = SchedulingLimits(max_num_seqs=r.max_num_seqs,
+                                  max_num_batched_tokens=r.max_num_batched_tokens)
+    return WorkerRegistration(
+        r.worker_id, r.model, r.dtype, r.block_size, r.num_blocks, r.max_model_len,
+        r.vocab_size, list(r.eos_token_ids), limits,
+    )
 
 
 def runner_output_message(o: ModelRunnerOutput) -> spb.WorkerMessage:
@@ -346,10 +366,7 @@ def worker_message_from_proto(msg: spb.WorkerMessage) -> WorkerRegistration | Mo
     if kind == "output":
         return model_runner_output_from_proto(msg.output)
     if kind == "registration":
-        r = msg.registration
-        registration = WorkerRegistration(**{f.name: getattr(r, f.name) for f in fields(WorkerRegistration)})
-        registration.eos_token_ids = list(registration.eos_token_ids)
-        return registration
+        return _registration_from_proto(msg.registration)
     raise ValueError("WorkerMessage has no kind set, must be registration or output")
 
 

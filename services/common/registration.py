@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.limits import SchedulingLimits
+
 
 @dataclass(slots=True)
 class WorkerRegistration:
     """A worker's model and KV pool (kvmesh.v1.WorkerRegistration).
 
     The scheduler builds that worker's block pool from ``num_blocks`` and
-    ``block_size`` and never schedules more than ``max_num_seqs`` requests or
-    ``max_num_batched_tokens`` tokens per step on it (0: not reported, the
-    scheduler's own limits apply).
+    ``block_size`` and never schedules past ``limits``, the sizes of the
+    worker's batch buffers (None: not reported, the scheduler's own apply).
     """
 
     worker_id: str
@@ -23,5 +24,4 @@ class WorkerRegistration:
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int] = field(default_factory=list)
-    max_num_seqs: int = 0
-    max_num_batched_tokens: int = 0
+    limits: SchedulingLimits | None = None

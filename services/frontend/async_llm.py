@@ -22,7 +22,7 @@ import grpc
 
 from services.common.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from services.common.sampling_params import SamplingParams
-from services.frontend.core_client import EngineUnavailableError, GrpcEngineCoreClient
+from services.frontend.engine_core_client import EngineCoreClient, EngineUnavailableError
 from services.frontend.input_processor import InputProcessor, PromptType
 from services.frontend.output_processor import OutputProcessor
 from services.frontend.outputs import RequestOutput
@@ -84,18 +84,18 @@ class AsyncLLM:
     """Adds requests, streams their outputs, aborts them when the caller leaves.
 
     Build with ``AsyncLLM(input_processor, output_processor)``, then
-    ``attach(core_client)`` a client whose callbacks are ``handle_outputs``
+    ``attach(engine_core)`` a client whose callbacks are ``handle_outputs``
     and ``handle_disconnect``.
     """
 
     def __init__(self, input_processor: InputProcessor, output_processor: OutputProcessor) -> None:
         self.input_processor = input_processor
         self.output_processor = output_processor
-        self.core: GrpcEngineCoreClient | None = None
+        self.engine_core: EngineCoreClient | None = None
         self._collectors: dict[str, RequestOutputCollector] = {}
 
-    def attach(self, core: GrpcEngineCoreClient) -> None:
-        self.core = core
+    def attach(self, engine_core: EngineCoreClient) -> None:
+        self.engine_core = engine_core
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -168,17 +168,17 @@ class AsyncLLM:
 
     def _send(self, children: list[EngineCoreRequest]) -> None:
         try:
-            if self.core is None:
+            if self.engine_core is None:
                 raise EngineUnavailableError("the frontend is not connected to a scheduler yet")
             for child in children:
-                self.core.add_request(child)
+                self.engine_core.add_request(child)
         except EngineUnavailableError as e:
             raise RequestFailedError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
 
     def _abort(self, key: str, *, reason: str) -> None:
         internal_ids = self.output_processor.abort_requests([key])
-        if internal_ids and self.core is not None:
-            self.core.abort_requests(internal_ids)
+        if internal_ids and self.engine_core is not None:
+            self.engine_core.abort_requests(internal_ids)
         logger.info("event=request_aborted internal_id=%s reason=%s", key, reason)
 
     # ------------------------------------------------------------ engine callbacks
@@ -193,9 +193,9 @@ class AsyncLLM:
             else:
                 self._fail(output.request_id, error)
         processed = self.output_processor.process_outputs(normal)
-        if processed.reqs_to_abort and self.core is not None:
+        if processed.reqs_to_abort and self.engine_core is not None:
             # Finished by a stop string here; still running in the engine.
-            self.core.abort_requests(processed.reqs_to_abort)
+            self.engine_core.abort_requests(processed.reqs_to_abort)
         for request_output in processed.request_outputs:
             key = request_output.request_id
             collector = self._collectors.get(key)
@@ -222,8 +222,8 @@ class AsyncLLM:
         key = state.external_req_id
         # The engine already dropped this request; its n>1 siblings still run.
         siblings = [i for i in self.output_processor.abort_requests([key]) if i != internal_id]
-        if siblings and self.core is not None:
-            self.core.abort_requests(siblings)
+        if siblings and self.engine_core is not None:
+            self.engine_core.abort_requests(siblings)
         collector = self._collectors.pop(key, None)
         if collector is not None:
             collector.put(error)

@@ -1,86 +1,162 @@
-"""The engine core inside the frontend's process (vLLM V1's InprocClient).
+"""The frontend's client of the scheduler (kvmesh.v1.EngineCore): ONE long-lived FrontendStream.
 
-A Scheduler drives one Worker directly, with no gRPC in between: what the
-offline ``LLM`` API and tests use. The frontend sees only EngineCoreRequests
-going in and EngineCoreOutputs coming out, exactly as over the wire.
+Every request of this frontend process travels over the same bidi stream:
+EngineCoreRequests and aborts go up, EngineCoreOutputs come down (vLLM V1's
+AsyncMPClient, with gRPC in place of ZMQ). When the stream breaks the client
+reports it once (the scheduler aborts whatever this stream had in flight)
+and reconnects with exponential backoff; requests sent while disconnected
+fail at once with ``EngineUnavailableError``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Iterable
 
+import grpc
+from kvmesh.v1 import api_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+from services.common.convert import engine_core_outputs_from_proto, engine_core_request_to_proto
 from services.common.engine import EngineCoreOutputs, EngineCoreRequest
-from services.common.registration import WorkerRegistration
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.kv_store import KVStore
-from services.scheduler.request import RequestStatus
-from services.scheduler.scheduler import Scheduler
-from services.worker.worker import Worker, WorkerConfig
+from services.common.rpc import CHANNEL_OPTIONS
+
+logger = logging.getLogger(__name__)
+
+_STATS_TIMEOUT_S = 10.0
 
 
-class InprocEngineCore:
-    """One scheduler and one worker stepping together in this process."""
+class EngineUnavailableError(RuntimeError):
+    """The scheduler stream is not connected; the request was not sent."""
 
-    def __init__(self, scheduler: Scheduler, worker: Worker) -> None:
-        self.scheduler = scheduler
-        self.worker = worker
 
-    @classmethod
-    def create(
-        cls,
-        worker_config: WorkerConfig,
+OutputsCallback = Callable[[EngineCoreOutputs], None]
+DisconnectCallback = Callable[[str], None]
+ConnectCallback = Callable[[], None]
+
+
+class EngineCoreClient:
+    """Shares one FrontendStream to ``address`` among all requests.
+
+    ``on_outputs`` runs in the event loop for every EngineCoreOutputs message;
+    ``on_disconnect(reason)`` once each time an established stream breaks;
+    ``on_connect()`` each time a stream is established. Backoff between
+    connection attempts doubles from ``initial_backoff_s`` to ``max_backoff_s``.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        on_outputs: OutputsCallback,
         *,
-        long_prefill_token_threshold: int = 0,
-        scheduling_policy: str = "fcfs",
-        enable_prefix_caching: bool = True,
-        store: KVStore | None = None,
-    ) -> InprocEngineCore:
-        """Loads the model, sizes the KV cache, and builds a scheduler for that pool."""
-        worker = Worker(worker_config)
-        worker.load_model()
-        worker.initialize_kv_cache()
-        info = worker.registration_info()
-        config = SchedulerConfig(
-            num_blocks=info.num_blocks,
-            block_size=info.block_size,
-            max_num_batched_tokens=info.max_num_batched_tokens,
-            max_num_seqs=info.max_num_seqs,
-            max_model_len=info.max_model_len,
-            long_prefill_token_threshold=long_prefill_token_threshold,
-            policy=scheduling_policy,
-            enable_prefix_caching=enable_prefix_caching,
-        )
-        return cls(Scheduler(config, store), worker)
+        on_connect: ConnectCallback | None = None,
+        on_disconnect: DisconnectCallback | None = None,
+        initial_backoff_s: float = 0.1,
+        max_backoff_s: float = 2.0,
+    ) -> None:
+        self.address = address
+        self._on_outputs = on_outputs
+        self._on_connect = on_connect
+        self._on_disconnect = on_disconnect
+        self._initial_backoff_s = initial_backoff_s
+        self._max_backoff_s = max_backoff_s
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = scheduler_pb2_grpc.EngineCoreStub(self._channel)
+        # The outgoing queue of the current stream; None while disconnected.
+        self._send_queue: asyncio.Queue[scheduler_pb2.FrontendMessage | None] | None = None
+        self._connected = asyncio.Event()
+        self._task: asyncio.Task | None = None
 
     @property
-    def worker_info(self) -> WorkerRegistration:
-        return self.worker.registration_info()
+    def connected(self) -> bool:
+        return self._send_queue is not None
+
+    def start(self) -> None:
+        """Starts connecting in the background (returns at once)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="frontend-stream")
+
+    async def wait_connected(self, timeout_s: float | None = None) -> None:
+        """Waits for the stream to be up; raises TimeoutError after ``timeout_s``."""
+        await asyncio.wait_for(self._connected.wait(), timeout_s)
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queues a request (see Scheduler.add_request for what it raises)."""
-        self.scheduler.add_request(request)
+        """Queues ``request`` on the stream; raises EngineUnavailableError when down."""
+        self._send(scheduler_pb2.FrontendMessage(add_request=engine_core_request_to_proto(request)))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
-        """Finishes requests as aborted; unknown or finished ids are ignored."""
+        """Aborts internal ids in the engine core. A no-op while disconnected:
+        the scheduler already aborted everything the broken stream carried."""
         request_ids = list(request_ids)
-        if request_ids:
-            self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        if request_ids and self.connected:
+            abort = scheduler_pb2.AbortRequests(request_ids=request_ids)
+            self._send(scheduler_pb2.FrontendMessage(abort=abort))
 
-    def has_requests(self) -> bool:
-        """Whether a step() could still produce outputs."""
-        return self.scheduler.has_requests()
+    async def get_stats(self) -> api_pb2.ClusterStats:
+        """The scheduler's GetStats (raises grpc.aio.AioRpcError on failure)."""
+        return await self._stub.GetStats(api_pb2.GetStatsRequest(), timeout=_STATS_TIMEOUT_S)
 
-    def step(self) -> EngineCoreOutputs:
-        """schedule -> worker.execute_model -> update_from_output, once.
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        await self._channel.close()
 
-        The worker runs even when nothing is scheduled, so it drops the state
-        of requests that finished since the previous step.
-        """
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.worker.execute_model(scheduler_output)
-        outputs_by_client = self.scheduler.update_from_output(scheduler_output, runner_output)
-        merged = EngineCoreOutputs(engine_index=self.scheduler.config.engine_index)
-        for client_outputs in outputs_by_client.values():
-            merged.outputs.extend(client_outputs.outputs)
-            merged.timestamp = client_outputs.timestamp
-        return merged
+    # ------------------------------------------------------------ internals
+
+    def _send(self, message: scheduler_pb2.FrontendMessage) -> None:
+        queue = self._send_queue
+        if queue is None:
+            raise EngineUnavailableError(f"the scheduler at {self.address} is not connected")
+        queue.put_nowait(message)
+
+    async def _run(self) -> None:
+        backoff_s = self._initial_backoff_s
+        while True:
+            established, reason = await self._run_one_stream()
+            if established:
+                logger.warning("event=scheduler_stream_broken address=%s reason=%r",
+                               self.address, reason)
+                if self._on_disconnect is not None:
+                    self._on_disconnect(reason)
+                backoff_s = self._initial_backoff_s
+            else:
+                logger.info("event=scheduler_connect_failed address=%s retry_in_s=%.2f reason=%r",
+                            self.address, backoff_s, reason)
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, self._max_backoff_s)
+
+    async def _run_one_stream(self) -> tuple[bool, str]:
+        """Runs one stream until it ends: (whether it was established, why it ended)."""
+        queue: asyncio.Queue[scheduler_pb2.FrontendMessage | None] = asyncio.Queue()
+        call = self._stub.FrontendStream(_drain(queue))
+        established = False
+        try:
+            await call.wait_for_connection()
+            established = True
+            self._send_queue = queue
+            self._connected.set()
+            logger.info("event=scheduler_connected address=%s", self.address)
+            if self._on_connect is not None:
+                self._on_connect()
+            async for message in call:
+                self._on_outputs(engine_core_outputs_from_proto(message))
+            return established, "the scheduler closed the stream"
+        except grpc.aio.AioRpcError as e:
+            return established, f"{e.code().name}: {e.details()}"
+        except Exception as e:  # a bug in output handling must not end reconnection
+            logger.exception("event=frontend_stream_error address=%s", self.address)
+            return established, repr(e)
+        finally:
+            self._send_queue = None
+            self._connected.clear()
+            queue.put_nowait(None)
+            call.cancel()
+
+
+async def _drain(
+    queue: asyncio.Queue[scheduler_pb2.FrontendMessage | None],
+) -> AsyncIterator[scheduler_pb2.FrontendMessage]:
+    while (message := await queue.get()) is not None:
+        yield message

@@ -19,7 +19,7 @@ from services.common.engine import EngineCoreOutput, EngineCoreRequest, FinishRe
 from services.common.sampling_params import RequestOutputKind
 from services.frontend.detokenizer import IncrementalDetokenizer
 from services.frontend.input_processor import external_request_id
-from services.frontend.logprobs import LogprobsProcessor
+from services.frontend.logprobs_processor import LogprobsProcessor
 from services.frontend.metrics import RequestStateStats
 from services.frontend.outputs import CompletionOutput, RequestOutput
 from services.frontend.parent_request import ParentRequest

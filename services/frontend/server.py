@@ -14,23 +14,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import secrets
 import signal
 from contextlib import aclosing
-from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from kvmesh.v1 import api_pb2, api_pb2_grpc
 
-from services.common.model_files import DEFAULT_MODEL_NAME, resolve_model_dir
+from services.common.model_files import resolve_model_dir
+from services.common.rpc import SERVER_OPTIONS
 from services.frontend import api_convert
 from services.frontend.async_llm import AsyncLLM, RequestFailedError
-from services.frontend.core_client import DEFAULT_MAX_MESSAGE_BYTES, GrpcEngineCoreClient
+from services.frontend.config import FrontendServiceConfig, ModelInfo, read_model_info
+from services.frontend.engine_core_client import EngineCoreClient
 from services.frontend.input_processor import InputProcessor
 from services.frontend.output_processor import OutputProcessor
 from services.frontend.tokenizer import (
@@ -44,85 +43,16 @@ from services.frontend.validation import DEFAULT_MAX_LOGPROBS, ValidationError, 
 logger = logging.getLogger(__name__)
 
 GENERATION_SERVICE = api_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
-# The workers' default context window when the model allows more (keep in
-# step with services.worker.worker.DEFAULT_MAX_MODEL_LEN).
-DEFAULT_MAX_MODEL_LEN = 2048
-SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-    # Otherwise gRPC counts every ping on an idle stream as a strike and, after
-    # two, sends GOAWAY "too_many_pings", breaking long-lived idle streams.
-    ("grpc.http2.max_ping_strikes", 0),
-    ("grpc.http2.max_pings_without_data", 0),
-)
-
-
-@dataclass(slots=True, kw_only=True)
-class FrontendServiceConfig:
-    """Where the frontend listens, which scheduler it streams to, which model it serves.
-
-    ``model`` None is the default model; ``max_model_len`` None is the
-    model's limit capped at 2048, the workers' default (pass the workers'
-    value when they use another). ``port`` 0 picks a free port.
-    """
-
-    host: str = "127.0.0.1"
-    port: int = 50051
-    scheduler_address: str = "127.0.0.1:50052"
-    model: str | None = None
-    max_model_len: int | None = None
-    max_logprobs: int = DEFAULT_MAX_LOGPROBS
-    stream_interval: int = 1
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port is {self.port}, must be in [0, 65535]")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len is {self.max_model_len}, must be >= 2")
-        if self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs is {self.max_logprobs}, must be >= 0")
-        if self.stream_interval < 1:
-            raise ValueError(f"stream_interval is {self.stream_interval}, must be >= 1")
-
-
-@dataclass(slots=True, frozen=True)
-class ModelInfo:
-    name: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-
-
-def read_model_info(
-    model_dir: Path, config: FrontendServiceConfig, eos_token_ids: list[int]
-) -> ModelInfo:
-    """The model facts the frontend validates against, from ``config.json``."""
-    hf = json.loads((model_dir / "config.json").read_text())
-    limit = hf.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN
-    if config.max_model_len is None:
-        max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)
-    elif config.max_model_len > limit:
-        raise ValueError(f"max_model_len is {config.max_model_len}; allowed range is [2, {limit}]")
-    else:
-        max_model_len = config.max_model_len
-    return ModelInfo(config.model or DEFAULT_MODEL_NAME, max_model_len, hf["vocab_size"],
-                     tuple(eos_token_ids))
-
-
 class GenerationServicer(api_pb2_grpc.GenerationServicer):
     """The public API over an AsyncLLM; answers UNAVAILABLE until ``ready``."""
 
     def __init__(self) -> None:
         self.engine: AsyncLLM | None = None
         self.model_info: ModelInfo | None = None
-        self.core: GrpcEngineCoreClient | None = None
+        self.engine_core: EngineCoreClient | None = None
 
-    def ready(self, engine: AsyncLLM, model_info: ModelInfo, core: GrpcEngineCoreClient) -> None:
-        self.engine, self.model_info, self.core = engine, model_info, core
+    def ready(self, engine: AsyncLLM, model_info: ModelInfo, engine_core: EngineCoreClient) -> None:
+        self.engine, self.model_info, self.engine_core = engine, model_info, engine_core
 
     async def _engine(self, context: grpc.aio.ServicerContext) -> AsyncLLM:
         if self.engine is None:
@@ -193,7 +123,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
     async def GetStats(self, request: api_pb2.GetStatsRequest, context) -> api_pb2.ClusterStats:
         await self._engine(context)
         try:
-            return await self.core.get_stats()
+            return await self.engine_core.get_stats()
         except grpc.aio.AioRpcError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"scheduler GetStats failed: {e.code().name}: {e.details()}")
@@ -207,7 +137,7 @@ class FrontendServer:
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
         self.health = health.aio.HealthServicer()
         self.servicer = GenerationServicer()
-        self.core: GrpcEngineCoreClient | None = None
+        self.engine_core: EngineCoreClient | None = None
         self._health_task: asyncio.Task | None = None
         api_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -248,15 +178,15 @@ class FrontendServer:
         await self.server.start()
         logger.info("event=frontend_listening address=%s", self.address)
         engine, model_info = await asyncio.to_thread(self._build_engine)
-        self.core = GrpcEngineCoreClient(
+        self.engine_core = EngineCoreClient(
             self.config.scheduler_address,
             engine.handle_outputs,
             on_connect=lambda: self._post_health(True),
             on_disconnect=lambda reason: self._on_disconnect(engine, reason),
         )
-        engine.attach(self.core)
-        self.servicer.ready(engine, model_info, self.core)
-        self.core.start()
+        engine.attach(self.engine_core)
+        self.servicer.ready(engine, model_info, self.engine_core)
+        self.engine_core.start()
         logger.info("event=frontend_loaded model=%s max_model_len=%d vocab_size=%d scheduler=%s",
                     model_info.name, model_info.max_model_len, model_info.vocab_size,
                     self.config.scheduler_address)
@@ -278,8 +208,8 @@ class FrontendServer:
         """NOT_SERVING, lets streams finish for ``grace_s``, then closes the scheduler stream."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
-        if self.core is not None:
-            await self.core.close()
+        if self.engine_core is not None:
+            await self.engine_core.close()
         logger.info("event=frontend_stopped address=%s", self.address)
 
     async def wait_for_termination(self) -> None:

@@ -1,42 +1,34 @@
-"""Scheduler configuration (one block pool, one worker)."""
+"""The scheduler's configs: how every worker is scheduled (`SchedulingOptions`),
+one worker's scheduling loop (`SchedulerConfig`) and the service (`SchedulerServiceConfig`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from dataclasses import dataclass, field, fields
 
+from services.common.limits import SchedulingLimits
+from services.common.registration import WorkerRegistration
 from services.scheduler.request_queue import SchedulingPolicy
 
 
 @dataclass(slots=True, kw_only=True)
-class SchedulerConfig:
-    """Limits of one scheduling loop.
+class SchedulingOptions:
+    """How a scheduler service, or the offline engine, schedules each of its workers.
 
-    ``num_blocks`` is what the worker reported and INCLUDES the null block 0,
-    so ``num_blocks - 1`` blocks can hold KV. Every field is validated on
-    construction; a bad value raises ``ValueError`` naming the field and the
-    allowed range.
+    ``limits`` are capped per worker by what the worker reports
+    (``make_scheduler_config``).
+    Every field is validated on construction; a bad value raises ``ValueError``
+    naming the field and the allowed range.
     """
 
-    num_blocks: int
-    block_size: int = 16
-    max_num_batched_tokens: int = 2048  # the per-step token budget
-    max_num_seqs: int = 128  # most requests running at once
-    max_model_len: int = 2048  # prompt + output tokens of one request
+    limits: SchedulingLimits = field(default_factory=SchedulingLimits)
     long_prefill_token_threshold: int = 0  # most tokens of one request per step; 0 = off
     policy: SchedulingPolicy | str = SchedulingPolicy.FCFS
     enable_prefix_caching: bool = True
-    engine_index: int = 0
-    max_num_waiting: int = 0  # bound on the waiting queue; 0 = unbounded
+    max_num_waiting: int = 0  # bound on each worker's waiting queue; 0 = unbounded
 
     def __post_init__(self) -> None:
-        _check_at_least("num_blocks", self.num_blocks, 2)
-        _check_at_least("block_size", self.block_size, 1)
-        _check_at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        _check_at_least("max_num_seqs", self.max_num_seqs, 1)
-        # One prompt token plus one generated token is the smallest useful request.
-        _check_at_least("max_model_len", self.max_model_len, 2)
         _check_at_least("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
-        _check_at_least("engine_index", self.engine_index, 0)
         _check_at_least("max_num_waiting", self.max_num_waiting, 0)
         try:
             self.policy = SchedulingPolicy(self.policy)
@@ -44,10 +36,102 @@ class SchedulerConfig:
             allowed = ", ".join(repr(p.value) for p in SchedulingPolicy)
             raise ValueError(f"policy is {self.policy!r}, allowed: {allowed}") from None
 
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        defaults = SchedulingOptions()
+        SchedulingLimits.add_cli_args(parser)
+        parser.add_argument("--long-prefill-token-threshold", type=int,
+                            default=defaults.long_prefill_token_threshold, help="0: off")
+        parser.add_argument("--policy", default=defaults.policy.value,
+                            choices=[policy.value for policy in SchedulingPolicy])
+        parser.add_argument("--max-num-waiting", type=int, default=defaults.max_num_waiting,
+                            help="0: unbounded")
+        parser.add_argument("--no-prefix-caching", action="store_true")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> SchedulingOptions:
+        return cls(
+            limits=SchedulingLimits.from_cli_args(args),
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            policy=args.policy,
+            enable_prefix_caching=not args.no_prefix_caching,
+            max_num_waiting=args.max_num_waiting,
+        )
+
+
+@dataclass(slots=True, kw_only=True)
+class SchedulerConfig(SchedulingOptions):
+    """One scheduling loop: the options it runs under plus one worker's block pool.
+
+    ``num_blocks`` is what the worker reported and INCLUDES the null block 0,
+    so ``num_blocks - 1`` blocks can hold KV. ``max_model_len`` bounds prompt
+    plus output tokens of one request.
+    """
+
+    num_blocks: int
+    block_size: int = 16
+    max_model_len: int = 2048
+    engine_index: int = 0
+
+    def __post_init__(self) -> None:
+        SchedulingOptions.__post_init__(self)
+        _check_at_least("num_blocks", self.num_blocks, 2)
+        _check_at_least("block_size", self.block_size, 1)
+        # One prompt token plus one generated token is the smallest useful request.
+        _check_at_least("max_model_len", self.max_model_len, 2)
+        _check_at_least("engine_index", self.engine_index, 0)
+
     @property
     def num_usable_blocks(self) -> int:
         """Blocks that can hold KV (all but the null block)."""
         return self.num_blocks - 1
+
+
+@dataclass(slots=True, kw_only=True)
+class SchedulerServiceConfig:
+    """How the scheduler service listens, mirrors KV state, and schedules each worker.
+
+    ``port`` 0 picks a free port (``SchedulerServer.port`` tells which).
+    ``redis_url`` None keeps the KV mirror in memory. ``model`` namespaces the
+    Redis keys and must equal what workers report; None adopts the first
+    worker's. ``scheduling`` applies to every worker (see
+    ``make_scheduler_config``). ``load_weight_tokens``: how many
+    prefix-hit tokens one queued request on a worker is worth when placing
+    requests (see router.Router).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50052
+    redis_url: str | None = None
+    model: str | None = None
+    scheduling: SchedulingOptions = field(default_factory=SchedulingOptions)
+    load_weight_tokens: float = 32.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port is {self.port}, must be in [0, 65535]")
+        if self.load_weight_tokens < 0:
+            raise ValueError(f"load_weight_tokens is {self.load_weight_tokens}, must be >= 0")
+
+
+def make_scheduler_config(
+    options: SchedulingOptions, registration: WorkerRegistration, engine_index: int
+) -> SchedulerConfig:
+    """A worker's SchedulerConfig: its pool geometry and ``max_model_len``, the
+    ``options``, and their limits capped by the worker's own (its batch buffers).
+
+    The one place a worker's scheduling loop is configured, for the scheduler
+    service and the offline engine alike; ValueError for a bad geometry.
+    """
+    shared = {f.name: getattr(options, f.name) for f in fields(SchedulingOptions)}
+    shared["limits"] = options.limits.capped_by(registration.limits)
+    return SchedulerConfig(
+        num_blocks=registration.num_blocks,
+        block_size=registration.block_size,
+        max_model_len=registration.max_model_len,
+        engine_index=engine_index,
+        **shared,
+    )
 
 
 def _check_at_least(name: str, value: int, minimum: int) -> None:

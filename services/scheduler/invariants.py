@@ -49,8 +49,8 @@ def _check_queues(scheduler: Scheduler) -> None:
     assert live == scheduler.requests.keys(), (
         f"queued requests {sorted(live)} != scheduler.requests {sorted(scheduler.requests)}"
     )
-    assert len(running) <= scheduler.config.max_num_seqs, (
-        f"{len(running)} running, max_num_seqs is {scheduler.config.max_num_seqs}"
+    assert len(running) <= scheduler.config.limits.max_num_seqs, (
+        f"{len(running)} running, max_num_seqs is {scheduler.config.limits.max_num_seqs}"
     )
     for r in waiting:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), (

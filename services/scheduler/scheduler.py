@@ -23,7 +23,7 @@ from services.common.engine import (
     EngineCoreRequest,
     Logprobs,
 )
-from services.common.outputs import ModelRunnerOutput
+from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import (
     CachedRequestData,
     NewRequestData,
@@ -185,7 +185,7 @@ class Scheduler:
         self._step_id += 1
         finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         output = SchedulerOutput(finished_req_ids=finished_req_ids, step_id=self._step_id)
-        token_budget, preempted = self._schedule_running(output, self.config.max_num_batched_tokens)
+        token_budget, preempted = self._schedule_running(output, self.config.limits.max_num_batched_tokens)
         if not preempted:
             self._schedule_waiting(output, token_budget)
         output.total_num_scheduled_tokens = sum(output.num_scheduled_tokens.values())
@@ -274,7 +274,7 @@ class Scheduler:
         from preemption as a cached request whose block ids replace the old.
         """
         kv = self.kv_cache_manager
-        max_num_seqs = self.config.max_num_seqs
+        max_num_seqs = self.config.limits.max_num_seqs
         while self.waiting and token_budget > 0 and len(self.running) < max_num_seqs:
             request = self.waiting.peek_request()
             computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)

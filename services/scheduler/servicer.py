@@ -1,4 +1,4 @@
-"""gRPC plumbing of kvmesh.v1.EngineCore: streams in and out of the EngineCore state.
+"""gRPC plumbing of kvmesh.v1.EngineCore: streams in and out of the Coordinator.
 
 Each bidi stream has one reader task (messages in) and the handler itself
 writing (messages out of a queue), so reads and writes never block each other.
@@ -20,37 +20,35 @@ from services.common.convert import (
     frontend_message_from_proto,
     worker_message_from_proto,
 )
-from services.common.registration import WorkerRegistration
 from services.common.engine import EngineCoreRequest
-from services.common.outputs import ModelRunnerOutput
-from services.scheduler.engine_core import ClientStream, EngineCore, RegistrationError
+from services.common.model_runner_output import ModelRunnerOutput
+from services.common.registration import WorkerRegistration
+from services.common.rpc import KV_CACHE_ID_METADATA_KEY
+from services.scheduler.coordinator import ClientStream, Coordinator, RegistrationError
 from services.scheduler.worker_session import WorkerProtocolError, WorkerSession
 
 logger = logging.getLogger(__name__)
 
-# Invocation metadata a worker sends with WorkerStream: the id of its KV cache
-# allocation (see worker_stores.py). Not a proto field because it describes
-# the connection's peer, not a message.
-KV_CACHE_ID_METADATA_KEY = "kvmesh-kv-cache-id"
-
 
 class EngineCoreServicer(scheduler_pb2_grpc.EngineCoreServicer):
-    def __init__(self, engine: EngineCore) -> None:
-        self.engine = engine
+    """The kvmesh.v1.EngineCore service: frontend and worker streams, and GetStats."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
 
     # ------------------------------------------------------------ frontends
 
     async def FrontendStream(
         self, request_iterator: AsyncIterator[spb.FrontendMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.EngineCoreOutputs]:
-        client = self.engine.connect_client()
+        client = self.coordinator.connect_client()
         reader = asyncio.create_task(self._read_frontend(client, request_iterator))
         try:
             while (outputs := await client.outputs.get()) is not None:
                 yield engine_core_outputs_to_proto(outputs)
         finally:
             reader.cancel()
-            self.engine.disconnect_client(client)
+            self.coordinator.disconnect_client(client)
         if reader.done() and not reader.cancelled() and reader.exception() is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(reader.exception()))
 
@@ -61,13 +59,13 @@ class EngineCoreServicer(scheduler_pb2_grpc.EngineCoreServicer):
             async for message in request_iterator:
                 item = frontend_message_from_proto(message)
                 if isinstance(item, EngineCoreRequest):
-                    self.engine.add_request(client, item)
+                    self.coordinator.add_request(client, item)
                 else:
-                    self.engine.abort_requests(item)
+                    self.coordinator.abort_requests(item)
         except ValueError:
             client.outputs.put_nowait(None)  # the handler ends the call with the error
             raise
-        self.engine.client_half_closed(client)
+        self.coordinator.client_half_closed(client)
 
     # ------------------------------------------------------------ workers
 
@@ -85,7 +83,7 @@ class EngineCoreServicer(scheduler_pb2_grpc.EngineCoreServicer):
         metadata = dict(context.invocation_metadata() or ())
         kv_cache_id = str(metadata.get(KV_CACHE_ID_METADATA_KEY, ""))
         try:
-            session = self.engine.register_worker(registration, kv_cache_id)
+            session = self.coordinator.register_worker(registration, kv_cache_id)
         except RegistrationError as e:
             logger.warning("event=worker_refused worker=%s status=%s reason=%r",
                            registration.worker_id, e.code.name, str(e))
@@ -100,7 +98,7 @@ class EngineCoreServicer(scheduler_pb2_grpc.EngineCoreServicer):
             raise
         finally:
             reader.cancel()
-            self.engine.remove_worker(session, reason)
+            self.coordinator.remove_worker(session, reason)
 
     async def _read_worker(
         self, session: WorkerSession, request_iterator: AsyncIterator[spb.WorkerMessage]
@@ -116,11 +114,11 @@ class EngineCoreServicer(scheduler_pb2_grpc.EngineCoreServicer):
             reason = str(e)
         except grpc.RpcError as e:
             reason = f"stream broke: {e}"
-        self.engine.remove_worker(session, reason)
+        self.coordinator.remove_worker(session, reason)
 
     # ------------------------------------------------------------ stats
 
     async def GetStats(
         self, request: api_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> api_pb2.ClusterStats:
-        return cluster_stats_to_proto(self.engine.stats())
+        return cluster_stats_to_proto(self.coordinator.stats())

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from kvmesh.v1 import scheduler_pb2 as spb
 from services.common.convert import drain_message, registered_message, step_message
 from services.common.engine import EngineCoreOutputs
-from services.common.outputs import ModelRunnerOutput
+from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import SchedulerOutput
 from services.scheduler.kv_store import KVStore
 from services.scheduler.request import Request, RequestStatus

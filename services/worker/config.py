@@ -1,20 +1,29 @@
-"""`ModelConfig`: what the worker needs to know about a checkpoint.
+"""The worker's configs: the checkpoint (`ModelConfig`), the worker (`WorkerConfig`)
+and its service (`WorkerServiceConfig`).
 
-Read from a Hugging Face directory's ``config.json`` (plus ``generation_config.json``
-for the end-of-sequence ids). Both RoPE spellings are understood: the
-transformers 5 ``rope_parameters`` dict and the older top-level ``rope_theta`` with
-an optional ``rope_scaling`` dict.
+`ModelConfig` is read from a Hugging Face directory's ``config.json`` (plus
+``generation_config.json`` for the end-of-sequence ids). Both RoPE spellings are
+understood: the transformers 5 ``rope_parameters`` dict and the older top-level
+``rope_theta`` with an optional ``rope_scaling`` dict.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import os
+import socket
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 import torch
+
+from services.common.limits import SchedulingLimits
+from services.common.max_model_len import get_sliding_window, max_model_len_limit
+from services.worker.cudagraph import CUDAGraphMode, default_capture_sizes
+from services.worker.cudagraph.dispatcher import DEFAULT_MAX_CAPTURE_SIZE
+from services.worker.sample import ThinkingConfig
 
 _DTYPES: MappingProxyType[str, torch.dtype] = MappingProxyType({
     "float32": torch.float32,
@@ -92,9 +101,8 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        if self.sliding_window is None:
-            return self.max_position_embeddings
-        return min(self.max_position_embeddings, self.sliding_window)
+        """The checkpoint's own limit (see services.common.max_model_len)."""
+        return max_model_len_limit(self.max_position_embeddings, self.sliding_window)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: str | torch.dtype = "auto") -> ModelConfig:
@@ -135,7 +143,7 @@ class ModelConfig:
             qkv_bias=is_qwen2 or hf.get("attention_bias", False),
             o_proj_bias=not is_qwen2 and hf.get("attention_bias", False),
             mlp_bias=hf.get("mlp_bias", False),
-            sliding_window=_sliding_window(hf, is_qwen2),
+            sliding_window=get_sliding_window(hf),
         )
 
 
@@ -176,9 +184,103 @@ def _eos_token_ids(hf: dict[str, Any], generation: dict[str, Any]) -> list[int]:
     return ids
 
 
-def _sliding_window(hf: dict[str, Any], is_qwen2: bool) -> int | None:
-    # Qwen2 checkpoints carry a sliding_window value that only applies with
-    # use_sliding_window; Mistral applies it whenever it is set.
-    if is_qwen2 and not hf.get("use_sliding_window", False):
-        return None
-    return hf.get("sliding_window")
+@dataclass(slots=True, kw_only=True)
+class WorkerConfig:
+    """How a worker loads its model and sizes its batch and KV cache.
+
+    ``model`` None is the default model (SmolLM2-135M-Instruct). ``dtype``:
+    "auto" (the checkpoint's), "float32", "bfloat16", "float16".
+    ``limits`` size the batch buffers; the worker reports them when it
+    registers, and no step ever exceeds them.
+    ``max_model_len`` None is min(the model's limit, 2048). ``num_kv_blocks``
+    overrides the memory-based KV sizing (tests use tiny pools).
+    ``logits_processors`` are plugin names or ``module:Class`` paths;
+    ``thinking`` names the think start/end tokens for ``thinking_token_budget``.
+    ``num_threads`` sets torch's intra-op threads (None: torch's default, one
+    per physical core).
+    ``cudagraph_mode``: NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or
+    FULL_AND_PIECEWISE; None is FULL_AND_PIECEWISE on CUDA and NONE on the CPU
+    (where any other mode is an error). Graphs are captured for
+    ``cudagraph_capture_sizes`` token counts, by default 1, 2, 4, 8, then steps
+    of 8 (16 past 256) up to ``max_cudagraph_capture_size`` (default
+    min(512, 2 * max_num_seqs, max_num_batched_tokens)).
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_gib: float = 1.0
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    limits: SchedulingLimits = field(default_factory=SchedulingLimits)
+    max_model_len: int | None = None
+    logits_processors: list[str] = field(default_factory=list)
+    thinking: ThinkingConfig | None = None
+    num_threads: int | None = None
+    cudagraph_mode: str | None = None
+    cudagraph_capture_sizes: list[int] | None = None
+    max_cudagraph_capture_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size is {self.block_size}, must be >= 1")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads is {self.num_threads}, must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len is {self.max_model_len}, must be >= 2")
+        mode = self.resolved_cudagraph_mode()
+        if mode is not CUDAGraphMode.NONE and torch.device(self.device).type != "cuda":
+            raise ValueError(f"cudagraph_mode {mode.name} needs a CUDA device, not "
+                             f"{self.device!r}; allowed on the CPU: NONE")
+        sizes = list(self.cudagraph_capture_sizes or [])
+        if self.max_cudagraph_capture_size is not None:
+            sizes.append(self.max_cudagraph_capture_size)
+        max_num_batched_tokens = self.limits.max_num_batched_tokens
+        bad = [s for s in sizes if not 1 <= s <= max_num_batched_tokens]
+        if bad:
+            raise ValueError(f"CUDA graph capture sizes {bad} are out of range; allowed range is "
+                             f"[1, {max_num_batched_tokens}] (max_num_batched_tokens)")
+
+    def resolved_cudagraph_mode(self) -> CUDAGraphMode:
+        """The mode asked for, or the device's default when none was."""
+        if self.cudagraph_mode is not None:
+            return CUDAGraphMode.parse(self.cudagraph_mode)
+        is_cuda = torch.device(self.device).type == "cuda"
+        return CUDAGraphMode.FULL_AND_PIECEWISE if is_cuda else CUDAGraphMode.NONE
+
+    def resolved_capture_sizes(self) -> list[int]:
+        """The token counts to capture graphs for (see the class docstring)."""
+        if self.cudagraph_capture_sizes is not None:
+            return sorted(set(self.cudagraph_capture_sizes))
+        largest = self.max_cudagraph_capture_size or min(
+            DEFAULT_MAX_CAPTURE_SIZE, 2 * self.limits.max_num_seqs,
+            self.limits.max_num_batched_tokens)
+        return default_capture_sizes(largest)
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(slots=True, kw_only=True)
+class WorkerServiceConfig:
+    """Where the scheduler is, who this worker is, and how it runs its model.
+
+    ``health_port`` None serves no health endpoint; 0 picks a free port
+    (``WorkerService.health_port`` tells which). ``connect_timeout_s`` None
+    waits for the scheduler forever.
+    """
+
+    scheduler_address: str = "127.0.0.1:50052"
+    worker_id: str = field(default_factory=default_worker_id)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    health_host: str = "127.0.0.1"
+    health_port: int | None = None
+    connect_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            raise ValueError("worker_id is empty, must be a non-empty string")
+        if self.health_port is not None and not 0 <= self.health_port <= 65535:
+            raise ValueError(f"health_port is {self.health_port}, must be in [0, 65535]")

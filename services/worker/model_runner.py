@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from services.common.engine import Logprobs
-from services.common.outputs import ModelRunnerOutput
+from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from services.worker.attention.backend import get_attention_backend
 from services.worker.attention.metadata import AttentionMetadata

@@ -16,12 +16,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
-import socket
 import uuid
 from collections.abc import Awaitable
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
@@ -35,30 +32,17 @@ from services.common.convert import (
     runner_output_message,
     scheduler_message_from_proto,
 )
+from services.common.limits import SchedulingLimits
+from services.common.rpc import CHANNEL_OPTIONS, KV_CACHE_ID_METADATA_KEY
 from services.common.scheduler_output import SchedulerOutput
+from services.worker.config import WorkerConfig, WorkerServiceConfig, default_worker_id
 from services.worker.sample import ThinkingConfig
-from services.worker.worker import Worker, WorkerConfig
+from services.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Must match services.scheduler.servicer.KV_CACHE_ID_METADATA_KEY.
-KV_CACHE_ID_METADATA_KEY = "kvmesh-kv-cache-id"
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS = (
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # A step can take long on a CPU; pings keep the stream known-alive meanwhile.
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    # Redial a restarted scheduler within ~2 s instead of grpc's default 120 s cap.
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 2_000),
-)
 # Status codes of a refused registration worth retrying: the scheduler is
 # restarting or draining, or it has not yet noticed our previous stream died.
 _RETRYABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ALREADY_EXISTS,
@@ -66,33 +50,6 @@ _RETRYABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ALREADY_EXISTS,
 _MIN_BACKOFF_S = 0.1
 _MAX_BACKOFF_S = 2.0
 _CLOSE_TIMEOUT_S = 5.0
-
-
-def default_worker_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
-
-
-@dataclass(slots=True, kw_only=True)
-class WorkerServiceConfig:
-    """Where the scheduler is, who this worker is, and how it runs its model.
-
-    ``health_port`` None serves no health endpoint; 0 picks a free port
-    (``WorkerService.health_port`` tells which). ``connect_timeout_s`` None
-    waits for the scheduler forever.
-    """
-
-    scheduler_address: str = "127.0.0.1:50052"
-    worker_id: str = field(default_factory=default_worker_id)
-    worker: WorkerConfig = field(default_factory=WorkerConfig)
-    health_host: str = "127.0.0.1"
-    health_port: int | None = None
-    connect_timeout_s: float | None = None
-
-    def __post_init__(self) -> None:
-        if not self.worker_id:
-            raise ValueError("worker_id is empty, must be a non-empty string")
-        if self.health_port is not None and not 0 <= self.health_port <= 65535:
-            raise ValueError(f"health_port is {self.health_port}, must be in [0, 65535]")
 
 
 class _Stopped(Exception):
@@ -318,8 +275,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerServiceConfig, argp
     p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_gib)
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
     p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks)
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    SchedulingLimits.add_cli_args(p)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--logits-processors", nargs="*", default=[])
     p.add_argument("--think-start-token-ids", type=int, nargs="+", default=None)
@@ -344,8 +300,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerServiceConfig, argp
         kv_cache_gib=args.kv_cache_gib,
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_kv_blocks=args.num_kv_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        limits=SchedulingLimits.from_cli_args(args),
         max_model_len=args.max_model_len,
         logits_processors=args.logits_processors,
         thinking=thinking,

@@ -10,7 +10,7 @@ from services.common.engine import (
     FinishReason,
     Logprobs,
 )
-from services.common.outputs import ModelRunnerOutput
+from services.common.model_runner_output import ModelRunnerOutput
 from services.common.sampling_params import RequestOutputKind, SamplingParams
 from services.common.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 

@@ -10,6 +10,7 @@ other (and exact token ids of the real tokenizer).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import threading
 import time
@@ -26,10 +27,13 @@ from kvmesh.v1 import api_pb2, api_pb2_grpc
 from kvmesh.client import Client
 from kvmesh.healthcheck import check_health
 from services.common.redis_server import free_port
-from services.frontend.server import FrontendServer, FrontendServiceConfig, serve_frontend
+from services.frontend.config import FrontendServiceConfig
+from services.frontend.server import FrontendServer, serve_frontend
+from services.scheduler.config import SchedulingOptions
 from services.scheduler.server import SchedulerServer
 from tests.e2e.tiny_model import save_tiny_llama
 from tests.grpc_utils import (
+    LIMITS,
     MAX_MODEL_LEN,
     RunningWorker,
     get_stats,
@@ -104,9 +108,9 @@ def frontend_config(model_dir: Path, scheduler_address: str, **overrides) -> Fro
 @pytest.fixture(scope="module")
 def stack(loop, model_dir):
     async def start() -> tuple[SchedulerServer, RunningWorker, FrontendServer]:
-        scheduler = await start_scheduler(max_num_seqs=MAX_NUM_SEQS)
-        worker = start_worker(scheduler.address, model_dir, "w0",
-                              worker=dict(max_num_seqs=MAX_NUM_SEQS))
+        limits = dataclasses.replace(LIMITS, max_num_seqs=MAX_NUM_SEQS)
+        scheduler = await start_scheduler(SchedulingOptions(limits=limits))
+        worker = start_worker(scheduler.address, model_dir, "w0", worker=dict(limits=limits))
         await wait_for_workers(scheduler.address, ["w0"])
         frontend = await serve_frontend(frontend_config(model_dir, scheduler.address))
         return scheduler, worker, frontend
@@ -343,7 +347,7 @@ def test_no_worker_is_unavailable(loop, model_dir):
         scheduler = await start_scheduler()
         frontend = await serve_frontend(frontend_config(model_dir, scheduler.address))
         try:
-            await frontend.core.wait_connected(10)
+            await frontend.engine_core.wait_connected(10)
             with Client(frontend.address) as client:
                 error = await asyncio.to_thread(error_of, lambda: list(client.generate("hi")))
             return error, await asyncio.to_thread(check_health, frontend.address)
@@ -371,7 +375,7 @@ def test_scheduler_stream_reconnects_and_in_flight_requests_fail_unavailable(loo
             scheduler = await start_scheduler(port=port)
             worker = start_worker(scheduler.address, model_dir, "w1")
             await wait_for_workers(scheduler.address, ["w1"])
-            await frontend.core.wait_connected(10)
+            await frontend.engine_core.wait_connected(10)
             seen["health_connected"] = await asyncio.to_thread(check_health, frontend.address)
             stream = client.generate("Count with me", max_tokens=240, **GREEDY)
             await asyncio.to_thread(next, stream)
@@ -384,7 +388,7 @@ def test_scheduler_stream_reconnects_and_in_flight_requests_fail_unavailable(loo
             # A new scheduler on the same address: the frontend dials it again.
             scheduler = await start_scheduler(port=port)
             worker = start_worker(scheduler.address, model_dir, "w2")
-            await frontend.core.wait_connected(10)
+            await frontend.engine_core.wait_connected(10)
             seen["health_again"] = await asyncio.to_thread(check_health, frontend.address)
             await wait_for_workers(scheduler.address, ["w2"])
             response = await asyncio.to_thread(final, client, "hi", max_tokens=3, **GREEDY)

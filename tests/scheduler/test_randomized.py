@@ -18,13 +18,15 @@ from dataclasses import dataclass, field
 import pytest
 
 from services.common.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
-from services.common.outputs import ModelRunnerOutput
+from services.common.limits import SchedulingLimits
+from services.common.model_runner_output import ModelRunnerOutput
 from services.common.sampling_params import SamplingParams
+from services.common.stats import SchedulerStats
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.invariants import check_invariants
 from services.scheduler.kv_store import InMemoryKVStore, KVStore, RedisKVStore
 from services.scheduler.request import RequestStatus
-from services.scheduler.scheduler import Scheduler, SchedulerStats
+from services.scheduler.scheduler import Scheduler
 
 EOS = 2
 STOP_ID = 5
@@ -45,8 +47,8 @@ class Expected:
 def random_config(rng: random.Random, policy: str) -> SchedulerConfig:
     return SchedulerConfig(
         num_blocks=rng.randint(8, 24),  # 7..23 usable blocks: 112..368 tokens
-        max_num_batched_tokens=rng.choice([24, 64, 256]),
-        max_num_seqs=rng.randint(2, 12),
+        limits=SchedulingLimits(max_num_batched_tokens=rng.choice([24, 64, 256]),
+                                max_num_seqs=rng.randint(2, 12)),
         max_model_len=rng.choice([160, 256]),
         long_prefill_token_threshold=rng.choice([0, 0, 16, 48]),
         policy=policy,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.common.engine import EngineCoreRequest
-from services.common.outputs import ModelRunnerOutput
+from services.common.model_runner_output import ModelRunnerOutput
 from services.common.sampling_params import SamplingParams
 from services.common.scheduler_output import SchedulerOutput
 from services.scheduler.config import SchedulerConfig

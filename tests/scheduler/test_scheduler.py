@@ -7,12 +7,14 @@ step and nothing for a partial prefill, exactly as a model runner would.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
 
 from services.common.engine import EngineCoreOutput, EngineCoreRequest, FinishReason, Logprobs
-from services.common.outputs import ModelRunnerOutput
+from services.common.limits import SchedulingLimits
+from services.common.model_runner_output import ModelRunnerOutput
 from services.common.sampling_params import SamplingParams
 from services.common.scheduler_output import SchedulerOutput
 from services.scheduler.config import SchedulerConfig
@@ -77,7 +79,8 @@ def test_same_prompt_twice_hits_one_block(first_finished: bool):
 
 
 def test_chunked_prefill_three_long_prompts():
-    scheduler = make_scheduler(num_blocks=160, max_num_batched_tokens=1024,
+    scheduler = make_scheduler(num_blocks=160,
+                               limits=SchedulingLimits(max_num_batched_tokens=1024),
                                long_prefill_token_threshold=400)
     for i, name in enumerate("abc"):
         scheduler.add_request(make_request(name, [1000 * (i + 1) + t for t in range(800)]))
@@ -110,7 +113,8 @@ def test_chunked_prefill_three_long_prompts():
 
 
 def test_new_tokens_never_reach_max_model_len_minus_one():
-    scheduler = make_scheduler(num_blocks=20, max_model_len=40, max_num_batched_tokens=64)
+    scheduler = make_scheduler(num_blocks=20, max_model_len=40,
+                               limits=SchedulingLimits(max_num_batched_tokens=64))
     scheduler.add_request(make_request("a", list(range(10, 40)), max_tokens=None))
     steps = [run_step(scheduler) for _ in range(10)]
     assert [s[0].num_scheduled_tokens.get("a") for s in steps] == [30] + [1] * 9
@@ -225,7 +229,7 @@ def test_outputs_grouped_by_client_index():
 
 
 def test_abort_waiting_and_running():
-    scheduler = make_scheduler(max_num_seqs=1)
+    scheduler = make_scheduler(limits=SchedulingLimits(max_num_seqs=1))
     scheduler.add_request(make_request("run", [1] * 20))
     scheduler.add_request(make_request("wait", [2] * 20))
     run_step(scheduler)
@@ -260,7 +264,7 @@ def test_abort_between_schedule_and_update_drops_the_sample():
 
 
 def test_priority_policy_admits_by_priority_then_arrival():
-    scheduler = make_scheduler(policy="priority", max_num_seqs=1)
+    scheduler = make_scheduler(policy="priority", limits=SchedulingLimits(max_num_seqs=1))
     for req_id, priority, arrival in [("low", 5, 0.0), ("high-late", 0, 2.0), ("high", 0, 1.0)]:
         request = make_request(req_id, [1] * 5, max_tokens=1)
         request.priority, request.arrival_time = priority, arrival
@@ -282,7 +286,7 @@ def test_waiting_head_that_does_not_fit_blocks_later_requests():
 
 
 def test_stats_and_queue_bound():
-    scheduler = make_scheduler(max_num_waiting=2, max_num_seqs=1)
+    scheduler = make_scheduler(max_num_waiting=2, limits=SchedulingLimits(max_num_seqs=1))
     scheduler.add_request(make_request("a", [1] * 20))
     scheduler.add_request(make_request("b", [2] * 20))
     with pytest.raises(WaitingQueueFullError, match="max_num_waiting is 2"):
@@ -313,11 +317,13 @@ def test_stats_and_queue_bound():
 def test_config_validation_names_field_and_range(field: str, value, message: str):
     kwargs = {"num_blocks": 11, field: value}
     with pytest.raises(ValueError, match=message):
+        if field in {f.name for f in dataclasses.fields(SchedulingLimits)}:
+            kwargs["limits"] = SchedulingLimits(**{field: kwargs.pop(field)})
         SchedulerConfig(**kwargs)
 
 
 def test_results_for_unscheduled_requests_are_dropped():
-    scheduler = make_scheduler(max_num_seqs=1)
+    scheduler = make_scheduler(limits=SchedulingLimits(max_num_seqs=1))
     scheduler.add_request(make_request("a", [1] * 5))
     scheduler.add_request(make_request("b", [2] * 5))
     scheduler_output = scheduler.schedule()
@@ -330,7 +336,7 @@ def test_results_for_unscheduled_requests_are_dropped():
 
 
 def test_prompt_logprobs_of_a_prefill_chunk_are_reported():
-    scheduler = make_scheduler(max_num_batched_tokens=8)
+    scheduler = make_scheduler(limits=SchedulingLimits(max_num_batched_tokens=8))
     scheduler.add_request(make_request("a", [1] * 12, prompt_logprobs=0))
     chunk = Logprobs([[1]] * 8, [[-1.0]] * 8, [1] * 8)
     scheduler_output = scheduler.schedule()

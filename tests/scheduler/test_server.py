@@ -15,8 +15,9 @@ from grpc_health.v1 import health_pb2
 
 from kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.engine import FinishReason
+from services.common.limits import SchedulingLimits
 from services.common.registration import WorkerRegistration
-from services.scheduler.server import SchedulerServiceConfig
+from services.scheduler.config import SchedulingOptions, make_scheduler_config
 from tests.grpc_utils import (
     NUM_KV_BLOCKS,
     FrontendClient,
@@ -287,7 +288,8 @@ def test_empty_frontend_message_ends_the_stream_invalid_argument():
 
 def test_full_waiting_queue_is_resource_exhausted(model_dir):
     async def scenario():
-        server = await start_scheduler(max_num_seqs=1, max_num_waiting=1)
+        scheduling = SchedulingOptions(limits=SchedulingLimits(max_num_seqs=1), max_num_waiting=1)
+        server = await start_scheduler(scheduling)
         worker = start_worker(server.address, model_dir, "w0")
         await wait_for_workers(server.address, ["w0"])
         client = FrontendClient(server.address)
@@ -319,7 +321,7 @@ def test_stop_drains_not_serving_refuses_new_work_and_releases_workers(model_dir
         await wait_until(lambda: len(client.tokens["long"]) >= 1)
         # "long" needs 480 steps; it cannot finish in the 0.5 s drain window.
         stopping = asyncio.create_task(server.stop(1.0))
-        await wait_until(lambda: server.engine.draining)
+        await wait_until(lambda: server.coordinator.draining)
         status = await health_status(server.address)
         await client.add(greedy_request("late", [1, 2, 3], 4))
         await client.wait_finished("long", "late")
@@ -337,13 +339,14 @@ def test_stop_drains_not_serving_refuses_new_work_and_releases_workers(model_dir
 
 
 def test_worker_limits_cap_the_schedulers_per_worker():
-    config = SchedulerServiceConfig(max_num_seqs=64, max_num_batched_tokens=4096)
+    options = SchedulingOptions(limits=SchedulingLimits(max_num_seqs=64,
+                                                        max_num_batched_tokens=4096))
     small = WorkerRegistration("w", "m", "float32", 16, 100, 512, 256, [2],
-                               max_num_seqs=8, max_num_batched_tokens=512)
-    capped = config.scheduler_config(small, engine_index=1)
-    assert (capped.max_num_seqs, capped.max_num_batched_tokens) == (8, 512)
+                               SchedulingLimits(max_num_seqs=8, max_num_batched_tokens=512))
+    capped = make_scheduler_config(options, small, engine_index=1)
+    assert (capped.limits.max_num_seqs, capped.limits.max_num_batched_tokens) == (8, 512)
     assert (capped.num_blocks, capped.block_size, capped.max_model_len) == (100, 16, 512)
     # A worker that reports no limits (0) gets the scheduler's.
     unreported = WorkerRegistration("w", "m", "float32", 16, 100, 512, 256, [2])
-    defaults = config.scheduler_config(unreported, engine_index=2)
-    assert (defaults.max_num_seqs, defaults.max_num_batched_tokens) == (64, 4096)
+    defaults = make_scheduler_config(options, unreported, engine_index=2)
+    assert (defaults.limits.max_num_seqs, defaults.limits.max_num_batched_tokens) == (64, 4096)

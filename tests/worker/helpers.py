@@ -11,9 +11,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from services.common.engine import EngineCoreRequest, Logprobs
 from services.common.sampling_params import SamplingParams
-from services.scheduler.config import SchedulerConfig
+from services.scheduler.config import SchedulingOptions, make_scheduler_config
 from services.scheduler.scheduler import Scheduler
-from services.worker.worker import Worker, WorkerConfig
+from services.worker.config import WorkerConfig
+from services.worker.worker import Worker
 
 VOCAB_SIZE = 256
 BLOCK_SIZE = 16
@@ -45,14 +46,10 @@ def make_worker(model_dir: Path, **overrides) -> Worker:
     return worker
 
 
-def make_scheduler(worker: Worker, **overrides) -> Scheduler:
-    info = worker.registration_info()
-    return Scheduler(SchedulerConfig(
-        num_blocks=info.num_blocks, block_size=info.block_size,
-        max_num_seqs=info.max_num_seqs, max_model_len=info.max_model_len,
-        max_num_batched_tokens=overrides.pop("max_num_batched_tokens", info.max_num_batched_tokens),
-        **overrides,
-    ))
+def make_scheduler(worker: Worker, **options) -> Scheduler:
+    """The scheduler the service would build for ``worker`` (``options``: SchedulingOptions)."""
+    options = SchedulingOptions(**options)
+    return Scheduler(make_scheduler_config(options, worker.registration_info(), engine_index=0))
 
 
 # ------------------------------------------------------------------ engine loop

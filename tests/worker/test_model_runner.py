@@ -15,9 +15,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.common.engine import EngineCoreRequest
+from services.common.limits import SchedulingLimits
 from services.common.sampling_params import SamplingParams
 from services.common.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from services.worker.worker import Worker, WorkerConfig
+from services.worker.config import WorkerConfig
+from services.worker.worker import Worker
 from tests.worker.helpers import (
     VOCAB_SIZE,
     greedy_request,
@@ -58,7 +60,7 @@ def test_worker_registration_and_kv_sizing(tiny_model_dir):
     info = worker.registration_info()
     is_llama = tiny_model_dir.name.startswith("llama")
     assert (info.num_blocks, info.block_size, info.max_model_len) == (128, 16, 256)
-    assert (info.vocab_size, info.dtype, info.max_num_seqs) == (VOCAB_SIZE, "float32", 128)
+    assert (info.vocab_size, info.dtype, info.limits.max_num_seqs) == (VOCAB_SIZE, "float32", 128)
     assert info.eos_token_ids == ([2] if is_llama else [])  # LlamaConfig's default eos
     assert info.model == str(tiny_model_dir)
     assert [tuple(c.shape) for c in worker.model_runner.kv_caches] == [(2, 128, 16, 2, 16)] * 2
@@ -165,7 +167,7 @@ def test_mixed_prefill_decode_matches_hf(tiny_model_dir, hf_model):
 
 
 def test_chunked_prefill_matches_hf(tiny_model_dir, hf_model):
-    worker = make_worker(tiny_model_dir, max_num_batched_tokens=7)
+    worker = make_worker(tiny_model_dir, limits=SchedulingLimits(max_num_batched_tokens=7))
     scheduler = make_scheduler(worker, long_prefill_token_threshold=5)
     prompts = random_prompts([23, 12, 3], seed=2)
     arrivals = [(0, greedy_request(f"r{i}", p, 8)) for i, p in enumerate(prompts)]
@@ -180,7 +182,7 @@ def test_chunked_prefill_matches_hf(tiny_model_dir, hf_model):
 def test_triton_kernels_path_matches_hf(tiny_model_dir, hf_model, monkeypatch):
     """The same runner through the Triton kernels (interpreted on the CPU)."""
     monkeypatch.setenv("KVMESH_FORCE_TRITON", "1")
-    worker = make_worker(tiny_model_dir, max_num_batched_tokens=16)
+    worker = make_worker(tiny_model_dir, limits=SchedulingLimits(max_num_batched_tokens=16))
     scheduler = make_scheduler(worker, long_prefill_token_threshold=9)
     prompts = random_prompts([21, 4], seed=6)
     arrivals = [(0, greedy_request("r0", prompts[0], 6)), (2, greedy_request("r1", prompts[1], 6))]
@@ -220,7 +222,7 @@ def test_preemption_and_resume_match_hf(tiny_model_dir, hf_model):
 
 
 def test_logprobs_and_chunked_prompt_logprobs(tiny_model_dir, hf_model):
-    worker = make_worker(tiny_model_dir, max_num_batched_tokens=8)
+    worker = make_worker(tiny_model_dir, limits=SchedulingLimits(max_num_batched_tokens=8))
     scheduler = make_scheduler(worker, long_prefill_token_threshold=6)
     prompt = random_prompts([20], seed=5)[0]
     request = greedy_request("r", prompt, 4, logprobs=2, prompt_logprobs=3)

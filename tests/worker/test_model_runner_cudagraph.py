@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.common.limits import SchedulingLimits
+from services.worker.config import WorkerConfig
 from services.worker.cudagraph import CUDAGraphMode as M
 from services.worker.cudagraph import CudagraphDispatcher
-from services.worker.worker import WorkerConfig
 from tests.worker.helpers import (
     greedy_request,
     make_scheduler,
@@ -61,7 +62,7 @@ def _record_dispatch(dispatcher: CudagraphDispatcher, seen: list) -> None:
 
 @pytest.fixture(scope="module")
 def eager_tokens(tiny_llama) -> dict[str, list[int]]:
-    return _run(make_worker(tiny_llama, max_num_batched_tokens=16))
+    return _run(make_worker(tiny_llama, limits=SchedulingLimits(max_num_batched_tokens=16)))
 
 
 @pytest.mark.parametrize("mode, kernels", [
@@ -72,7 +73,8 @@ def eager_tokens(tiny_llama) -> dict[str, list[int]]:
 def test_padded_batches_match_eager(tiny_llama, eager_tokens, mode, kernels, monkeypatch):
     if kernels == "triton":
         monkeypatch.setenv("KVMESH_FORCE_TRITON", "1")
-    worker = make_worker(tiny_llama, max_num_batched_tokens=16, max_num_seqs=4)
+    limits = SchedulingLimits(max_num_batched_tokens=16, max_num_seqs=4)
+    worker = make_worker(tiny_llama, limits=limits)
     runner = worker.model_runner
     runner.cudagraph_dispatcher = CudagraphDispatcher(mode, SIZES, max_num_reqs=4)
     seen: list = []
@@ -93,7 +95,7 @@ def test_worker_config_checks_the_mode_and_sizes():
         WorkerConfig(cudagraph_mode="SOME")
     with pytest.raises(ValueError, match=r"capture sizes \[4096\] are out of range; allowed range is \[1, 2048\]"):
         WorkerConfig(device="cuda", cudagraph_capture_sizes=[8, 4096])
-    config = WorkerConfig(device="cuda", max_num_seqs=24)
+    config = WorkerConfig(device="cuda", limits=SchedulingLimits(max_num_seqs=24))
     assert config.resolved_capture_sizes() == [1, 2, 4, 8, 16, 24, 32, 40, 48]
     assert WorkerConfig(device="cuda", max_cudagraph_capture_size=20).resolved_capture_sizes()[-1] == 20
 
@@ -103,7 +105,8 @@ def test_worker_config_checks_the_mode_and_sizes():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("mode", ["PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
 def test_cuda_graph_modes_match_eager(tiny_llama, mode, dtype):
-    common = dict(device="cuda", dtype=dtype, max_num_batched_tokens=16, max_num_seqs=4,
+    common = dict(device="cuda", dtype=dtype,
+                  limits=SchedulingLimits(max_num_batched_tokens=16, max_num_seqs=4),
                   cudagraph_capture_sizes=SIZES)
     expected = _run(make_worker(tiny_llama, cudagraph_mode="NONE", **common))
     worker = make_worker(tiny_llama, cudagraph_mode=mode, **common)
@@ -115,7 +118,8 @@ def test_cuda_graph_modes_match_eager(tiny_llama, mode, dtype):
 
 @needs_cuda
 def test_cuda_decode_steps_replay_without_allocating(tiny_llama):
-    worker = make_worker(tiny_llama, device="cuda", dtype="bfloat16", max_num_seqs=4,
+    worker = make_worker(tiny_llama, device="cuda", dtype="bfloat16",
+                         limits=SchedulingLimits(max_num_seqs=4),
                          cudagraph_mode="FULL_AND_PIECEWISE", cudagraph_capture_sizes=SIZES)
     wrapper = worker.model_runner._forward
     scheduler = make_scheduler(worker)

@@ -20,8 +20,9 @@ from services.common.convert import (
     step_message,
     worker_message_from_proto,
 )
-from services.common.registration import WorkerRegistration
+from services.common.limits import SchedulingLimits
 from services.common.redis_server import free_port
+from services.common.registration import WorkerRegistration
 from services.common.scheduler_output import SchedulerOutput
 from services.scheduler.server import SchedulerServer
 from tests.grpc_utils import (
@@ -63,7 +64,7 @@ async def generate(server: SchedulerServer, request) -> tuple[list[int], int]:
 
 def test_registration_and_scheduler_messages_round_trip():
     registration = WorkerRegistration("w0", "m", "float32", 16, 64, 256, 256, [2, 3],
-                                      max_num_seqs=8, max_num_batched_tokens=512)
+                                      SchedulingLimits(max_num_seqs=8, max_num_batched_tokens=512))
     assert worker_message_from_proto(registration_message(registration)) == registration
     assert scheduler_message_from_proto(drain_message()) is None
     step = SchedulerOutput(finished_req_ids={"a"}, step_id=9)

@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from kvmesh.offline import EngineArgs, LLMEngine
 from services.common.sampling_params import RequestOutputKind, SamplingParams
-from services.frontend.llm_engine import EngineArgs, LLMEngine
 from services.frontend.outputs import RequestOutput
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

@@ -1,5 +1,8 @@
-"""The engine core's cluster state: frontend connections, worker sessions, placement, failover.
+"""The scheduler's cluster state: frontend connections, worker sessions, placement, failover.
 
+The `Coordinator` ties the scheduler service together: each worker session
+runs its own scheduling loop (an engine core per worker, ``engine_index``),
+and the coordinator routes requests between frontends and those sessions.
 Everything runs on one asyncio event loop, so no locks: state changes only
 between awaits. The gRPC plumbing is in ``servicer.py``; this module knows
 nothing about gRPC beyond status code values.
@@ -12,12 +15,10 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import grpc
 import redis
 
-from services.common.registration import WorkerRegistration
 from services.common.engine import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -25,14 +26,14 @@ from services.common.engine import (
     FinishReason,
 )
 from services.common.model_files import DEFAULT_MODEL_NAME
+from services.common.registration import WorkerRegistration
+from services.common.stats import SchedulerStats
+from services.scheduler.config import SchedulerServiceConfig, make_scheduler_config
 from services.scheduler.request import Request
 from services.scheduler.router import RequestFactory, Router
-from services.scheduler.scheduler import Scheduler, SchedulerStats, WaitingQueueFullError
+from services.scheduler.scheduler import Scheduler, WaitingQueueFullError
 from services.scheduler.worker_session import WorkerSession
 from services.scheduler.worker_stores import WorkerStores
-
-if TYPE_CHECKING:
-    from services.scheduler.server import SchedulerServiceConfig
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def normalize_model_name(model: str | None) -> str | None:
     return DEFAULT_MODEL_NAME if model == "default" else model
 
 
-class EngineCore:
+class Coordinator:
     """Routes requests from frontends to worker sessions and outputs back.
 
     - A new request goes to the best-ranked worker (``Router``); a worker whose
@@ -223,7 +224,7 @@ class EngineCore:
                                     f"worker serves model {model!r}, this scheduler serves {self.model!r}")
         engine_index = self._next_engine_index
         try:
-            config = self.config.scheduler_config(registration, engine_index)
+            config = make_scheduler_config(self.config.scheduling, registration, engine_index)
         except ValueError as e:
             raise RegistrationError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         try:

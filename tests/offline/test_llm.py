@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.sampling_params import SamplingParams
-from services.frontend.llm import LLM
+from kvmesh.offline import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""The synchronous frontend engine (vLLM V1's LLMEngine).
+"""The offline engine's synchronous loop (vLLM V1's LLMEngine).
 
 Holds the InputProcessor, the OutputProcessor and an engine core. A client
 request becomes one EngineCoreRequest, or n of them when n > 1; each step
@@ -9,59 +9,16 @@ engine core, the requests a stop string finished.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
-import torch
-
+from kvmesh.offline.engine_args import EngineArgs
+from kvmesh.offline.engine_core import EngineCore
 from services.common.model_files import resolve_model_dir
 from services.common.sampling_params import SamplingParams
-from services.frontend.engine_core_client import InprocEngineCore
 from services.frontend.input_processor import InputProcessor, PromptType
 from services.frontend.output_processor import OutputProcessor
 from services.frontend.outputs import RequestOutput
 from services.frontend.parent_request import ParentRequest
 from services.frontend.tokenizer import load_tokenizer
-from services.frontend.validation import DEFAULT_MAX_LOGPROBS
-from services.worker.worker import WorkerConfig
-
-
-@dataclass(slots=True, kw_only=True)
-class EngineArgs:
-    """Everything needed to start an in-process engine; defaults suit the CPU.
-
-    ``model`` None is the default model (SmolLM2-135M-Instruct); ``device``
-    None picks CUDA when available. ``num_kv_blocks`` overrides the KV cache
-    sizing by memory (``kv_cache_gib`` on CPU, ``gpu_memory_utilization`` on CUDA).
-    """
-
-    model: str | None = None
-    dtype: str = "auto"
-    device: str | None = None
-    block_size: int = 16
-    kv_cache_gib: float = 1.0
-    gpu_memory_utilization: float = 0.9
-    num_kv_blocks: int | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    long_prefill_token_threshold: int = 0
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"
-    logits_processors: list[str] = field(default_factory=list)
-    stream_interval: int = 1
-    max_logprobs: int = DEFAULT_MAX_LOGPROBS
-    cudagraph_mode: str | None = None
-
-    def worker_config(self) -> WorkerConfig:
-        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        return WorkerConfig(
-            model=self.model, dtype=self.dtype, device=device, block_size=self.block_size,
-            kv_cache_gib=self.kv_cache_gib, gpu_memory_utilization=self.gpu_memory_utilization,
-            num_kv_blocks=self.num_kv_blocks, max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len, logits_processors=list(self.logits_processors),
-            cudagraph_mode=self.cudagraph_mode,
-        )
 
 
 class LLMEngine:
@@ -71,7 +28,7 @@ class LLMEngine:
         self,
         input_processor: InputProcessor,
         output_processor: OutputProcessor,
-        engine_core: InprocEngineCore,
+        engine_core: EngineCore,
     ) -> None:
         self.input_processor = input_processor
         self.output_processor = output_processor
@@ -79,12 +36,7 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
-        engine_core = InprocEngineCore.create(
-            args.worker_config(),
-            long_prefill_token_threshold=args.long_prefill_token_threshold,
-            scheduling_policy=args.scheduling_policy,
-            enable_prefix_caching=args.enable_prefix_caching,
-        )
+        engine_core = EngineCore.create(args.worker_config(), args.scheduling_options())
         info = engine_core.worker_info
         tokenizer = load_tokenizer(resolve_model_dir(args.model))
         input_processor = InputProcessor(

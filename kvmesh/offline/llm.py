@@ -13,9 +13,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from kvmesh.offline.engine_args import EngineArgs
+from kvmesh.offline.llm_engine import LLMEngine
 from services.common.sampling_params import RequestOutputKind, SamplingParams
 from services.frontend.input_processor import PromptType
-from services.frontend.llm_engine import EngineArgs, LLMEngine
 from services.frontend.outputs import RequestOutput
 from services.frontend.tokenizer import ChatMessage
 

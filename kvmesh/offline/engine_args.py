@@ -1,0 +1,69 @@
+"""`EngineArgs`: every setting of an in-process engine, as flat keyword arguments.
+
+As vLLM's EngineArgs, this is the argument surface (``LLM(max_num_seqs=8)``);
+it builds the configs each service defines (``SchedulingLimits``,
+``SchedulingOptions``, ``WorkerConfig``) and holds no rule of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from services.common.limits import SchedulingLimits
+from services.frontend.validation import DEFAULT_MAX_LOGPROBS
+from services.scheduler.config import SchedulingOptions
+from services.worker.config import WorkerConfig
+
+_DEFAULT_LIMITS = SchedulingLimits()
+
+
+@dataclass(slots=True, kw_only=True)
+class EngineArgs:
+    """Everything needed to start an in-process engine; defaults suit the CPU.
+
+    ``model`` None is the default model (SmolLM2-135M-Instruct); ``device``
+    None picks CUDA when available. ``num_kv_blocks`` overrides the KV cache
+    sizing by memory (``kv_cache_gib`` on CPU, ``gpu_memory_utilization`` on CUDA).
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str | None = None
+    block_size: int = 16
+    kv_cache_gib: float = 1.0
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = _DEFAULT_LIMITS.max_num_seqs
+    max_num_batched_tokens: int = _DEFAULT_LIMITS.max_num_batched_tokens
+    long_prefill_token_threshold: int = 0
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    logits_processors: list[str] = field(default_factory=list)
+    stream_interval: int = 1
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    cudagraph_mode: str | None = None
+
+    def scheduling_limits(self) -> SchedulingLimits:
+        return SchedulingLimits(max_num_seqs=self.max_num_seqs,
+                                max_num_batched_tokens=self.max_num_batched_tokens)
+
+    def scheduling_options(self) -> SchedulingOptions:
+        return SchedulingOptions(
+            limits=self.scheduling_limits(),
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            policy=self.scheduling_policy,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+
+    def worker_config(self) -> WorkerConfig:
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        return WorkerConfig(
+            model=self.model, dtype=self.dtype, device=device, block_size=self.block_size,
+            kv_cache_gib=self.kv_cache_gib, gpu_memory_utilization=self.gpu_memory_utilization,
+            num_kv_blocks=self.num_kv_blocks, limits=self.scheduling_limits(),
+            max_model_len=self.max_model_len, logits_processors=list(self.logits_processors),
+            cudagraph_mode=self.cudagraph_mode,
+        )

@@ -1,0 +1,60 @@
+"""The frontend's configs: the service (`FrontendServiceConfig`) and the model
+facts it validates requests against (`ModelInfo`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.max_model_len import max_model_len_from_hf_config
+from services.common.model_files import DEFAULT_MODEL_NAME
+from services.frontend.validation import DEFAULT_MAX_LOGPROBS
+
+
+@dataclass(slots=True, kw_only=True)
+class FrontendServiceConfig:
+    """Where the frontend listens, which scheduler it streams to, which model it serves.
+
+    ``model`` None is the default model; ``max_model_len`` None is the
+    model's limit capped at 2048, as on the workers (pass the workers' value
+    when they use another). ``port`` 0 picks a free port.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    scheduler_address: str = "127.0.0.1:50052"
+    model: str | None = None
+    max_model_len: int | None = None
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    stream_interval: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port is {self.port}, must be in [0, 65535]")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len is {self.max_model_len}, must be >= 2")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs is {self.max_logprobs}, must be >= 0")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval is {self.stream_interval}, must be >= 1")
+
+
+@dataclass(slots=True, frozen=True)
+class ModelInfo:
+    """What the frontend validates against and reports in GetModelInfo."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+def read_model_info(
+    model_dir: Path, config: FrontendServiceConfig, eos_token_ids: list[int]
+) -> ModelInfo:
+    """The model facts from ``config.json``; ``max_model_len`` by the workers' rule."""
+    hf = json.loads((model_dir / "config.json").read_text())
+    max_model_len = max_model_len_from_hf_config(hf, config.max_model_len)
+    return ModelInfo(config.model or DEFAULT_MODEL_NAME, max_model_len, hf["vocab_size"],
+                     tuple(eos_token_ids))
