@@ -73,13 +73,13 @@ class EngineCoreServicer(scheduler_pb2_grpc.EngineCoreServicer):
         self, request_iterator: AsyncIterator[spb.WorkerMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[spb.SchedulerMessage]:
         first = await anext(aiter(request_iterator), None)
+        error = "the first WorkerMessage must be a registration"
         try:
             registration = worker_message_from_proto(first) if first is not None else None
-        except ValueError:
-            registration = None
+        except ValueError as e:  # e.g. limits out of range
+            registration, error = None, f"{error}: {e}"
         if not isinstance(registration, WorkerRegistration):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "the first WorkerMessage must be a registration")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
         metadata = dict(context.invocation_metadata() or ())
         kv_cache_id = str(metadata.get(KV_CACHE_ID_METADATA_KEY, ""))
         try:

@@ -1,5 +1,6 @@
 import math
 
+import pytest
 from kvmesh.v1 import engine_pb2
 
 from services.common import convert
@@ -10,7 +11,9 @@ from services.common.engine import (
     FinishReason,
     Logprobs,
 )
+from services.common.limits import SchedulingLimits
 from services.common.model_runner_output import ModelRunnerOutput
+from services.common.registration import WorkerRegistration
 from services.common.sampling_params import RequestOutputKind, SamplingParams
 from services.common.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -128,3 +131,21 @@ def test_scheduler_and_runner_outputs_round_trip():
         prompt_logprobs={"a": Logprobs([[2]], [[-2.0]], [3])}, step_id=5,
     )
     assert convert.model_runner_output_from_proto(convert.model_runner_output_to_proto(runner)) == runner
+
+
+def test_registration_limits_round_trip_and_unreported_is_none():
+    limits = SchedulingLimits(max_num_seqs=8, max_num_batched_tokens=512)
+    reported = WorkerRegistration("w", "m", "float32", 16, 64, 256, 256, [2], limits)
+    unreported = WorkerRegistration("w", "m", "float32", 16, 64, 256, 256, [2])
+    for registration in (reported, unreported):
+        message = convert.registration_message(registration)
+        assert convert.worker_message_from_proto(message) == registration
+    assert convert.registration_message(unreported).registration.max_num_seqs == 0
+
+
+def test_half_reported_registration_limits_name_the_field():
+    message = convert.registration_message(WorkerRegistration(
+        "w", "m", "float32", 16, 64, 256, 256, [2], SchedulingLimits(max_num_seqs=8)))
+    message.registration.max_num_seqs = 0
+    with pytest.raises(ValueError, match="max_num_seqs is 0, must be an integer >= 1"):
+        convert.worker_message_from_proto(message)
