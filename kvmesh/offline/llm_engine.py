@@ -17,7 +17,6 @@ from services.common.sampling_params import SamplingParams
 from services.frontend.input_processor import InputProcessor, PromptType
 from services.frontend.output_processor import OutputProcessor
 from services.frontend.outputs import RequestOutput
-from services.frontend.parent_request import ParentRequest
 from services.frontend.tokenizer import load_tokenizer
 
 
@@ -71,15 +70,7 @@ class LLMEngine:
             request_id, prompt_token_ids, params,
             arrival_time=arrival_time, priority=priority, cache_salt=cache_salt,
         )
-        if request.sampling_params.n == 1:
-            parent, children = None, [request]
-        else:
-            parent = ParentRequest(request, request_id)
-            children = parent.make_child_requests()
-        for index, child in enumerate(children):
-            self.output_processor.add_request(
-                child, prompt_text, parent, index, external_req_id=request_id
-            )
+        children = self.output_processor.add_client_request(request, prompt_text, request_id)
         try:
             for child in children:
                 self.engine_core.add_request(child)

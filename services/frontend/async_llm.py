@@ -26,7 +26,6 @@ from services.frontend.engine_core_client import EngineCoreClient, EngineUnavail
 from services.frontend.input_processor import InputProcessor, PromptType
 from services.frontend.output_processor import OutputProcessor
 from services.frontend.outputs import RequestOutput
-from services.frontend.parent_request import ParentRequest
 
 logger = logging.getLogger(__name__)
 
@@ -149,15 +148,7 @@ class AsyncLLM:
             request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt
         )
         key = request.request_id
-        if request.sampling_params.n == 1:
-            parent, children = None, [request]
-        else:
-            parent = ParentRequest(request, key)
-            children = parent.make_child_requests()
-        for index, child in enumerate(children):
-            self.output_processor.add_request(
-                child, prompt_text, parent, index, external_req_id=key
-            )
+        children = self.output_processor.add_client_request(request, prompt_text, key)
         self._collectors[key] = RequestOutputCollector()
         logger.info(
             "event=request_added request_id=%s internal_id=%s num_prompt_tokens=%d n=%d "

@@ -165,6 +165,20 @@ class OutputProcessor:
         )
         self.external_req_ids[external_req_id].append(request_id)
 
+    def add_client_request(
+        self, request: EngineCoreRequest, prompt_text: str | None, external_req_id: str
+    ) -> list[EngineCoreRequest]:
+        """Registers a client's request, as n children under a ParentRequest when
+        n > 1; returns the EngineCoreRequests to send to the engine core."""
+        if request.sampling_params.n == 1:
+            self.add_request(request, prompt_text, external_req_id=external_req_id)
+            return [request]
+        parent = ParentRequest(request, external_req_id)
+        children = parent.make_child_requests()
+        for index, child in enumerate(children):
+            self.add_request(child, prompt_text, parent, index)
+        return children
+
     def process_outputs(
         self, outputs: list[EngineCoreOutput], engine_timestamp: float | None = None
     ) -> OutputProcessorOutput:

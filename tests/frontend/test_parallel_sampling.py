@@ -6,7 +6,7 @@ import pytest
 
 from services.common.engine import EngineCoreOutput, FinishReason
 from services.common.sampling_params import RequestOutputKind, SamplingParams
-from services.frontend.parent_request import ParentRequest, derive_child_seed
+from services.frontend.parent_request import derive_child_seed
 
 # Three different completions: "The sky", "The sea", "Blue."
 CHILD_TOKENS = [[504, 6376], [504, 3426], [23390, 30]]
@@ -14,11 +14,8 @@ CHILD_TOKENS = [[504, 6376], [504, 3426], [23390, 30]]
 
 def fan_out(input_processor, output_processor, params, external_id="req"):
     request = input_processor.process_inputs(external_id, "Colour?", params)
-    parent = ParentRequest(request, external_id)
-    children = parent.make_child_requests()
-    for index, child in enumerate(children):
-        output_processor.add_request(child, "Colour?", parent, index)
-    return request, parent, children
+    children = output_processor.add_client_request(request, "Colour?", external_id)
+    return request, output_processor.parent_requests[request.request_id], children
 
 
 def test_children_get_distinct_ids_and_derived_seeds(input_processor, output_processor):
@@ -34,6 +31,13 @@ def test_children_get_distinct_ids_and_derived_seeds(input_processor, output_pro
     assert [c.sampling_params.seed for c in again] == [1234, 1235, 1236]
     _, _, unseeded = fan_out(input_processor, output_processor, SamplingParams(n=3), "c")
     assert [c.sampling_params.seed for c in unseeded] == [None, None, None]
+
+
+def test_n_equal_one_is_registered_as_itself(input_processor, output_processor):
+    request = input_processor.process_inputs("solo", "Colour?", SamplingParams())
+    assert output_processor.add_client_request(request, "Colour?", "solo") == [request]
+    assert output_processor.request_states[request.request_id].external_req_id == "solo"
+    assert not output_processor.parent_requests
 
 
 def test_derived_seed_wraps_into_int64():
