@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import logging
 import secrets
-import signal
 from contextlib import aclosing
 
 import grpc
@@ -25,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from kvmesh.v1 import api_pb2, api_pb2_grpc
 
 from services.common.model_files import resolve_model_dir
+from services.common.process import configure_logging, wait_for_shutdown_signal
 from services.common.rpc import SERVER_OPTIONS
 from services.frontend import api_convert
 from services.frontend.async_llm import AsyncLLM, RequestFailedError
@@ -243,18 +243,13 @@ def parse_args(argv: list[str] | None = None) -> FrontendServiceConfig:
 
 async def _main(config: FrontendServiceConfig) -> None:
     server = await serve_frontend(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_shutdown_signal()
     logger.info("event=frontend_draining address=%s", server.address)
     await server.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_logging()
     asyncio.run(_main(parse_args(argv)))
 
 

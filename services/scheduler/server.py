@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import time
 from collections.abc import Callable
 
@@ -20,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.process import configure_logging, wait_for_shutdown_signal
 from services.common.rpc import SERVER_OPTIONS
 from services.scheduler.config import SchedulerServiceConfig, SchedulingOptions
 from services.scheduler.coordinator import Coordinator
@@ -128,18 +128,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[SchedulerServiceConfig, a
 
 async def _serve_until_signalled(config: SchedulerServiceConfig, grace_s: float) -> None:
     server = await serve_scheduler(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_shutdown_signal()
     await server.stop(grace_s)
 
 
 def main(argv: list[str] | None = None) -> None:
     config, args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_logging(args.log_level)
     asyncio.run(_serve_until_signalled(config, args.shutdown_grace_s))
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import uuid
 from collections.abc import Awaitable
 from typing import TypeVar
@@ -33,6 +32,7 @@ from services.common.convert import (
     scheduler_message_from_proto,
 )
 from services.common.limits import SchedulingLimits
+from services.common.process import SHUTDOWN_SIGNALS, configure_logging
 from services.common.rpc import CHANNEL_OPTIONS, KV_CACHE_ID_METADATA_KEY
 from services.common.scheduler_output import SchedulerOutput
 from services.worker.config import WorkerConfig, WorkerServiceConfig, default_worker_id
@@ -243,7 +243,7 @@ async def run_worker(config: WorkerServiceConfig) -> None:
     (when called from the main thread)."""
     service = WorkerService(config)
     loop = asyncio.get_running_loop()
-    signals = (signal.SIGTERM, signal.SIGINT)
+    signals = SHUTDOWN_SIGNALS
     try:
         for sig in signals:
             loop.add_signal_handler(sig, service.stop)
@@ -322,8 +322,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerServiceConfig, argp
 
 def main(argv: list[str] | None = None) -> None:
     config, args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_logging(args.log_level)
     asyncio.run(run_worker(config))
 
 
