@@ -22,7 +22,3 @@ class ModelRunnerOutput:
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)
     step_id: int = 0
-
-    @property
-    def req_id_to_index(self) -> dict[str, int]:
-        return {req_id: i for i, req_id in enumerate(self.req_ids)}

@@ -57,10 +57,6 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
-    def top_k_enabled(self) -> bool:
-        return self.top_k > 0
-
     def clone(self) -> "SamplingParams":
         from copy import deepcopy
 

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 import grpc
 from kvmesh.v1 import api_pb2, scheduler_pb2, scheduler_pb2_grpc
 
-from services.common.convert import engine_core_outputs_from_proto, engine_core_request_to_proto
+from services.common.convert import abort_message, add_request_message, engine_core_outputs_from_proto
 from services.common.engine import EngineCoreOutputs, EngineCoreRequest
 from services.common.rpc import CHANNEL_OPTIONS
 
@@ -82,15 +82,14 @@ class EngineCoreClient:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queues ``request`` on the stream; raises EngineUnavailableError when down."""
-        self._send(scheduler_pb2.FrontendMessage(add_request=engine_core_request_to_proto(request)))
+        self._send(add_request_message(request))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Aborts internal ids in the engine core. A no-op while disconnected:
         the scheduler already aborted everything the broken stream carried."""
         request_ids = list(request_ids)
         if request_ids and self.connected:
-            abort = scheduler_pb2.AbortRequests(request_ids=request_ids)
-            self._send(scheduler_pb2.FrontendMessage(abort=abort))
+            self._send(abort_message(request_ids))
 
     async def get_stats(self) -> api_pb2.ClusterStats:
         """The scheduler's GetStats (raises grpc.aio.AioRpcError on failure)."""

@@ -19,10 +19,6 @@ class PrefixCacheStats:
     queries: int = 0  # tokens looked up
     hits: int = 0  # tokens found in the cache
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -159,9 +155,6 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
-
-    def get_num_blocks(self, request_id: str) -> int:
-        return len(self.req_to_blocks.get(request_id, ()))
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block; False (a no-op) while any block is in use."""

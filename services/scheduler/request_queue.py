@@ -44,10 +44,6 @@ class RequestQueue(ABC):
         """Puts back a request that was taken out (preempted): it runs before later arrivals."""
 
     @abstractmethod
-    def prepend_requests(self, requests: Iterable[Request]) -> None:
-        """Puts back several requests; under FCFS the first given ends up first."""
-
-    @abstractmethod
     def remove_request(self, request: Request) -> None:
         """Removes one request; ValueError if it is not queued."""
 
@@ -87,10 +83,6 @@ class FCFSRequestQueue(RequestQueue):
 
     def prepend_request(self, request: Request) -> None:
         self._queue.appendleft(request)
-
-    def prepend_requests(self, requests: Iterable[Request]) -> None:
-        # extendleft reverses, so feed it reversed to keep the given order.
-        self._queue.extendleft(reversed(list(requests)))
 
     def remove_request(self, request: Request) -> None:
         # By identity: a Request's own equality is not what "this one" means.
@@ -141,10 +133,6 @@ class PriorityRequestQueue(RequestQueue):
 
     def prepend_request(self, request: Request) -> None:
         self.add_request(request)
-
-    def prepend_requests(self, requests: Iterable[Request]) -> None:
-        for request in requests:
-            self.add_request(request)
 
     def remove_request(self, request: Request) -> None:
         for i, entry in enumerate(self._heap):

@@ -40,7 +40,8 @@ def test_fcfs_order_prepend_and_remove():
     assert q.pop_request() is a
     q.prepend_request(a)
     assert ids(q) == ["a", "b", "c"]
-    q.prepend_requests([d, e])
+    q.prepend_request(e)
+    q.prepend_request(d)
     assert ids(q) == ["d", "e", "a", "b", "c"]
     q.remove_request(a)
     assert ids(q) == ["d", "e", "b", "c"]
@@ -73,7 +74,7 @@ def test_priority_order_ties_by_arrival_then_insertion():
     assert early_low.request_id == "early-low"
     # A preempted request goes back to its place, ahead of later arrivals.
     q.prepend_request(early_low)
-    q.prepend_requests([urgent])
+    q.prepend_request(urgent)
     assert ids(q) == ["urgent", "early-low", "late-low", "tie-1", "early-high"]
     q.remove_request(reqs[0])
     assert ids(q) == ["urgent", "early-low", "tie-1", "early-high"]

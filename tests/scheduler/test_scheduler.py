@@ -120,7 +120,7 @@ def test_new_tokens_never_reach_max_model_len_minus_one():
     assert [s[0].num_scheduled_tokens.get("a") for s in steps] == [30] + [1] * 9
     # 30 prompt + 10 outputs = max_model_len: the last output is LENGTH capped.
     assert steps[-1][1]["a"].finish_reason == FinishReason.LENGTH
-    assert scheduler.kv_cache_manager.get_num_blocks("a") == 0
+    assert scheduler.kv_cache_manager.get_block_ids("a") == []
 
 
 def decode_until_done(scheduler: Scheduler, tokens: list[int]) -> list[EngineCoreOutput]:
