@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.limits import SchedulingLimits
-from services.frontend.validation import DEFAULT_MAX_LOGPROBS
+from services.common.validation import DEFAULT_MAX_LOGPROBS
 from services.scheduler.config import SchedulingOptions
 from services.worker.config import WorkerConfig
 

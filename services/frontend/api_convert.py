@@ -24,7 +24,7 @@ from services.common.convert import sampling_params_from_proto
 from services.common.sampling_params import SamplingParams
 from services.frontend.input_processor import PromptType
 from services.frontend.outputs import CompletionOutput, Logprob, RequestOutput
-from services.frontend.validation import ValidationError
+from services.common.validation import ValidationError
 
 
 def sampling_params_from_api(msg: engine_pb2.SamplingParams, present: bool) -> SamplingParams:

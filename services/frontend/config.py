@@ -9,7 +9,7 @@ from pathlib import Path
 
 from services.common.max_model_len import max_model_len_from_hf_config
 from services.common.model_files import DEFAULT_MODEL_NAME
-from services.frontend.validation import DEFAULT_MAX_LOGPROBS
+from services.common.validation import DEFAULT_MAX_LOGPROBS
 
 
 @dataclass(slots=True, kw_only=True)

@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 from services.common.engine import EngineCoreRequest
 from services.common.sampling_params import SamplingParams
 from services.frontend.tokenizer import ChatMessage, encode_chat, encode_prompt
-from services.frontend.validation import (
+from services.common.validation import (
     DEFAULT_MAX_LOGPROBS,
     ValidationError,
     resolve_max_tokens,

@@ -38,7 +38,7 @@ from services.frontend.tokenizer import (
     load_eos_token_ids,
     load_tokenizer,
 )
-from services.frontend.validation import DEFAULT_MAX_LOGPROBS, ValidationError, check_token_ids
+from services.common.validation import DEFAULT_MAX_LOGPROBS, ValidationError, check_token_ids
 
 logger = logging.getLogger(__name__)
 

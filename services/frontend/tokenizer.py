@@ -16,7 +16,7 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from services.frontend.validation import ValidationError
+from services.common.validation import ValidationError
 
 ChatMessage = dict[str, Any]
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 
 from services.common.limits import SchedulingLimits
 from services.common.registration import WorkerRegistration
+from services.common.validation import DEFAULT_MAX_LOGPROBS
 from services.scheduler.request_queue import SchedulingPolicy
 
 
@@ -97,7 +98,8 @@ class SchedulerServiceConfig:
     worker's. ``scheduling`` applies to every worker (see
     ``make_scheduler_config``). ``load_weight_tokens``: how many
     prefix-hit tokens one queued request on a worker is worth when placing
-    requests (see router.Router).
+    requests (see router.Router). ``max_logprobs`` bounds the logprobs a
+    request may ask for (the frontend's bound, checked again here).
     """
 
     host: str = "127.0.0.1"
@@ -106,12 +108,14 @@ class SchedulerServiceConfig:
     model: str | None = None
     scheduling: SchedulingOptions = field(default_factory=SchedulingOptions)
     load_weight_tokens: float = 32.0
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port is {self.port}, must be in [0, 65535]")
         if self.load_weight_tokens < 0:
             raise ValueError(f"load_weight_tokens is {self.load_weight_tokens}, must be >= 0")
+        _check_at_least("max_logprobs", self.max_logprobs, 0)
 
 
 def make_scheduler_config(

@@ -28,6 +28,7 @@ from services.common.engine import (
 from services.common.model_files import DEFAULT_MODEL_NAME
 from services.common.registration import WorkerRegistration
 from services.common.stats import SchedulerStats
+from services.common.validation import ValidationError, validate_engine_core_request
 from services.scheduler.config import SchedulerServiceConfig, make_scheduler_config
 from services.scheduler.request import Request
 from services.scheduler.router import RequestFactory, Router
@@ -66,10 +67,17 @@ class ClientStream:
 
 @dataclass(slots=True, eq=False)
 class Placement:
-    """Where a request runs and which frontend connection waits for it."""
+    """Where a request runs, which frontend connection waits for it, and how
+    many workers it has already lost."""
 
     session: WorkerSession
     client: ClientStream
+    num_failovers: int = 0
+
+
+# A request whose worker was lost this many times is failed instead of being
+# placed again: two crashes in a row are more likely its fault than chance.
+MAX_FAILOVERS = 1
 
 
 def normalize_model_name(model: str | None) -> str | None:
@@ -87,12 +95,16 @@ class Coordinator:
     - A frontend that disconnects has all its requests aborted.
     - A worker that is lost has its unfinished requests re-placed on the
       others as fresh requests carrying the tokens generated so far, which the
-      new worker recomputes; the client's stream just continues.
+      new worker recomputes; the client's stream just continues. A request
+      lost with a second worker fails with INTERNAL instead.
+    - Every request is validated again here (INVALID_ARGUMENT), and a
+      frontend can only abort the requests it placed.
     """
 
     def __init__(self, config: SchedulerServiceConfig) -> None:
         self.config = config
         self.model = normalize_model_name(config.model)  # None: the first worker's
+        self.vocab_size: int | None = None  # the first worker's; all must agree
         self.router = Router(config.load_weight_tokens)
         self.stores = WorkerStores(config.redis_url)
         self.sessions: dict[str, WorkerSession] = {}
@@ -130,11 +142,27 @@ class Coordinator:
         elif req_id in self.placements:
             self._refuse(client, req_id, grpc.StatusCode.INVALID_ARGUMENT,
                          f"request id {req_id!r} is already in flight")
-        elif not request.prompt_token_ids:
-            self._refuse(client, req_id, grpc.StatusCode.INVALID_ARGUMENT,
-                         "prompt_token_ids is empty, needs >= 1 token")
+        elif (error := self._validate(request)) is not None:
+            self._refuse(client, req_id, grpc.StatusCode.INVALID_ARGUMENT, error)
         else:
             self._place(client, req_id, lambda hasher: Request.from_engine_core_request(request, hasher))
+
+    def _validate(self, request: EngineCoreRequest) -> str | None:
+        assert self.vocab_size is not None  # set by the first registration
+        try:
+            validate_engine_core_request(request, vocab_size=self.vocab_size,
+                                         max_logprobs=self.config.max_logprobs)
+        except ValidationError as e:
+            return str(e)
+        return None
+
+    def refuse_malformed(self, client: ClientStream, req_id: str, reason: str) -> None:
+        """A request the frontend sent but that could not be decoded."""
+        self._refuse(client, req_id, grpc.StatusCode.INVALID_ARGUMENT, reason)
+
+    def abort_client_requests(self, client: ClientStream, request_ids: Iterable[str]) -> None:
+        """Aborts those of ``request_ids`` that ``client`` placed; others are ignored."""
+        self.abort_requests([r for r in request_ids if r in client.request_ids])
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Aborts wherever the requests run; unknown or finished ids are ignored."""
@@ -157,7 +185,8 @@ class Coordinator:
 
     # ------------------------------------------------------------ placement
 
-    def _place(self, client: ClientStream, req_id: str, make_request: RequestFactory) -> None:
+    def _place(self, client: ClientStream, req_id: str, make_request: RequestFactory,
+               num_failovers: int = 0) -> None:
         full: list[str] = []
         for session, request in self.router.rank(make_request, self.sessions.values()):
             try:
@@ -168,7 +197,7 @@ class Coordinator:
             except ValueError as e:
                 self._refuse(client, req_id, grpc.StatusCode.INVALID_ARGUMENT, str(e))
                 return
-            self.placements[req_id] = Placement(session, client)
+            self.placements[req_id] = Placement(session, client, num_failovers)
             client.request_ids.add(req_id)
             logger.info("event=request_placed request_id=%s worker=%s num_tokens=%d",
                         req_id, session.worker_id, request.num_tokens)
@@ -222,6 +251,10 @@ class Coordinator:
         if self.model is not None and model != self.model:
             raise RegistrationError(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"worker serves model {model!r}, this scheduler serves {self.model!r}")
+        if self.vocab_size is not None and registration.vocab_size != self.vocab_size:
+            raise RegistrationError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"worker has vocab_size {registration.vocab_size}, the cluster {self.vocab_size}")
         engine_index = self._next_engine_index
         try:
             config = make_scheduler_config(self.config.scheduling, registration, engine_index)
@@ -234,6 +267,7 @@ class Coordinator:
         except redis.RedisError as e:
             raise RegistrationError(grpc.StatusCode.UNAVAILABLE, f"the KV store is unreachable: {e}") from e
         self.model = model
+        self.vocab_size = registration.vocab_size
         self._next_engine_index += 1
         session = WorkerSession(worker_id, engine_index, scheduler, store, self.route_outputs)
         self.sessions[worker_id] = session
@@ -262,12 +296,16 @@ class Coordinator:
                 continue
             client = placement.client
             client.request_ids.discard(old.request_id)
-            if self.draining or not self.sessions:
+            if placement.num_failovers >= MAX_FAILOVERS:
+                self._refuse(client, old.request_id, grpc.StatusCode.INTERNAL,
+                             f"the request lost {placement.num_failovers + 1} workers (the last "
+                             f"{session.worker_id}); it is not placed on another")
+            elif self.draining or not self.sessions:
                 why = ("the scheduler is shutting down" if self.draining
                        else f"worker {session.worker_id} was lost and no worker is left")
                 self._refuse(client, old.request_id, grpc.StatusCode.UNAVAILABLE, why)
             else:
-                self._place(client, old.request_id, _requeued(old))
+                self._place(client, old.request_id, _requeued(old), placement.num_failovers + 1)
         # Requests it had refused (IGNORED) but not yet reported: say so now.
         for req_id in [r for r, p in self.placements.items() if p.session is session]:
             placement = self.placements.pop(req_id)

@@ -112,6 +112,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[SchedulerServiceConfig, a
     p.add_argument("--model", default=d.model, help="default: the first worker's model")
     SchedulingOptions.add_cli_args(p)
     p.add_argument("--load-weight-tokens", type=float, default=d.load_weight_tokens)
+    p.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
     p.add_argument("--shutdown-grace-s", type=float, default=5.0)
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
@@ -122,6 +123,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[SchedulerServiceConfig, a
         model=args.model,
         scheduling=SchedulingOptions.from_cli_args(args),
         load_weight_tokens=args.load_weight_tokens,
+        max_logprobs=args.max_logprobs,
     )
     return config, args
 

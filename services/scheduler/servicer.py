@@ -57,11 +57,19 @@ class EngineCoreServicer(scheduler_pb2_grpc.EngineCoreServicer):
     ) -> None:
         try:
             async for message in request_iterator:
-                item = frontend_message_from_proto(message)
+                try:
+                    item = frontend_message_from_proto(message)
+                except ValueError as e:
+                    if not _is_request(message):
+                        raise  # a broken envelope: the stream's protocol is broken
+                    # A request that cannot be decoded fails alone.
+                    self.coordinator.refuse_malformed(client, message.add_request.request_id,
+                                                      str(e))
+                    continue
                 if isinstance(item, EngineCoreRequest):
                     self.coordinator.add_request(client, item)
                 else:
-                    self.coordinator.abort_requests(item)
+                    self.coordinator.abort_client_requests(client, item)
         except ValueError:
             client.outputs.put_nowait(None)  # the handler ends the call with the error
             raise
@@ -122,3 +130,7 @@ class EngineCoreServicer(scheduler_pb2_grpc.EngineCoreServicer):
         self, request: api_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> api_pb2.ClusterStats:
         return cluster_stats_to_proto(self.coordinator.stats())
+
+
+def _is_request(message: spb.FrontendMessage) -> bool:
+    return message.WhichOneof("kind") == "add_request" and bool(message.add_request.request_id)

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from services.common.sampling_params import SamplingParams
-from services.frontend.validation import ValidationError
+from services.common.validation import ValidationError
 
 MAX_MODEL_LEN = 2048  # the input_processor fixture's
 

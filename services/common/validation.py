@@ -1,8 +1,9 @@
 """Request validation: every check names the field and the allowed range.
 
-The frontend is the only place requests are checked, so the engine core can
-trust what it receives. gRPC servers map ``ValidationError`` to
-INVALID_ARGUMENT.
+The frontend checks every request at admission; the scheduler checks what it
+receives again (``validate_engine_core_request``), because anything that can
+reach its port can send an EngineCoreRequest. Servers map ``ValidationError``
+to INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -10,9 +11,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 
+from services.common.engine import EngineCoreRequest
 from services.common.sampling_params import SamplingParams
 
 DEFAULT_MAX_LOGPROBS = 20
+# The frontend makes internal ids "<client id>-<8 hex>" (and "<i>_" before a
+# child's), so the engine core accepts longer ids than a client may send.
+MAX_CLIENT_REQUEST_ID_CHARS = 256
+MAX_INTERNAL_REQUEST_ID_CHARS = 512
+MAX_CACHE_SALT_CHARS = 256
 # Seeds travel as proto int64.
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -187,3 +194,38 @@ def resolve_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model
             f"but max_model_len is {max_model_len}",
         )
     return params.max_tokens
+
+
+def check_string_length(field: str, value: object, max_chars: int, *, allow_empty: bool) -> None:
+    """``value`` must be a str of at most ``max_chars`` characters (non-empty unless allowed)."""
+    if not isinstance(value, str) or len(value) > max_chars or (not value and not allow_empty):
+        shown = value if not isinstance(value, str) or len(value) <= 64 else f"{value[:64]}..."
+        least = 0 if allow_empty else 1
+        raise ValidationError(
+            field, f"{field} must be a string of {least} to {max_chars} characters, got {shown!r}")
+
+
+def validate_engine_core_request(
+    request: EngineCoreRequest, *, vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS
+) -> None:
+    """What the frontend guarantees about an EngineCoreRequest, checked again by the engine core.
+
+    Raises ValidationError for a bad request id or cache salt, an empty prompt,
+    a token id outside [0, vocab_size) (prompt, EOS, stop ids, logit bias,
+    allowed ids), n other than 1 (the frontend fans n > 1 out), an unset
+    max_tokens (the frontend resolves it) or any sampling parameter out of range.
+    """
+    check_string_length("request_id", request.request_id, MAX_INTERNAL_REQUEST_ID_CHARS,
+                        allow_empty=False)
+    if request.cache_salt is not None:
+        check_string_length("cache_salt", request.cache_salt, MAX_CACHE_SALT_CHARS,
+                            allow_empty=True)
+    validate_prompt(request.prompt_token_ids, vocab_size=vocab_size)
+    if request.eos_token_id is not None:
+        check_token_ids("eos_token_id", [request.eos_token_id], vocab_size)
+    params = request.sampling_params
+    validate_sampling_params(params, vocab_size=vocab_size, max_logprobs=max_logprobs)
+    if params.n != 1:
+        raise _fail("n", "1 at the engine core (the frontend fans n > 1 out)", params.n)
+    if params.max_tokens is None:
+        raise ValidationError("max_tokens", "max_tokens must be set at the engine core")
