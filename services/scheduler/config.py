@@ -88,6 +88,23 @@ class SchedulerConfig(SchedulingOptions):
         return self.num_blocks - 1
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RegistrationBounds:
+    """The largest worker the scheduler accepts (see worker_checks.check_registration).
+
+    ``max_num_blocks`` bounds the memory one registration makes the scheduler
+    allocate (a few hundred bytes of bookkeeping per block): 1M blocks of 16
+    tokens is 16M tokens of KV, beyond any single GPU today.
+    """
+
+    max_num_blocks: int = 1 << 20
+    max_block_size: int = 1024
+    max_model_len: int = 1 << 22
+    max_vocab_size: int = 1 << 22
+    max_num_seqs: int = 1 << 16
+    max_num_batched_tokens: int = 1 << 22
+
+
 @dataclass(slots=True, kw_only=True)
 class SchedulerServiceConfig:
     """How the scheduler service listens, mirrors KV state, and schedules each worker.
@@ -109,6 +126,7 @@ class SchedulerServiceConfig:
     scheduling: SchedulingOptions = field(default_factory=SchedulingOptions)
     load_weight_tokens: float = 32.0
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    registration_bounds: RegistrationBounds = field(default_factory=RegistrationBounds)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -33,6 +33,7 @@ from services.scheduler.config import SchedulerServiceConfig, make_scheduler_con
 from services.scheduler.request import Request
 from services.scheduler.router import RequestFactory, Router
 from services.scheduler.scheduler import Scheduler, WaitingQueueFullError
+from services.scheduler.worker_checks import check_registration
 from services.scheduler.worker_session import WorkerSession
 from services.scheduler.worker_stores import WorkerStores
 
@@ -236,15 +237,14 @@ class Coordinator:
         """Builds the worker's session: a Scheduler sized by what it reported.
 
         Raises RegistrationError while draining (UNAVAILABLE), for a duplicate
-        worker id (ALREADY_EXISTS), another model than the cluster serves
-        (FAILED_PRECONDITION) or a bad geometry (INVALID_ARGUMENT).
+        worker id (ALREADY_EXISTS), another model or vocabulary than the
+        cluster serves (FAILED_PRECONDITION) or a geometry outside
+        ``registration_bounds`` (INVALID_ARGUMENT).
         """
         worker_id = registration.worker_id
         model = normalize_model_name(registration.model)
         if self.draining:
             raise RegistrationError(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
-        if not worker_id:
-            raise RegistrationError(grpc.StatusCode.INVALID_ARGUMENT, "worker_id is empty")
         if worker_id in self.sessions:
             raise RegistrationError(grpc.StatusCode.ALREADY_EXISTS,
                                     f"worker_id {worker_id!r} is already registered")
@@ -257,6 +257,7 @@ class Coordinator:
                 f"worker has vocab_size {registration.vocab_size}, the cluster {self.vocab_size}")
         engine_index = self._next_engine_index
         try:
+            check_registration(registration, self.config.registration_bounds)
             config = make_scheduler_config(self.config.scheduling, registration, engine_index)
         except ValueError as e:
             raise RegistrationError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
@@ -269,7 +270,8 @@ class Coordinator:
         self.model = model
         self.vocab_size = registration.vocab_size
         self._next_engine_index += 1
-        session = WorkerSession(worker_id, engine_index, scheduler, store, self.route_outputs)
+        session = WorkerSession(worker_id, engine_index, scheduler, store, self.route_outputs,
+                                registration.vocab_size)
         self.sessions[worker_id] = session
         session.start(on_failure=self._on_session_failure)
         logger.info("event=worker_registered worker=%s engine_index=%d num_blocks=%d "

@@ -25,7 +25,8 @@ from services.common.model_runner_output import ModelRunnerOutput
 from services.common.registration import WorkerRegistration
 from services.common.rpc import KV_CACHE_ID_METADATA_KEY
 from services.scheduler.coordinator import ClientStream, Coordinator, RegistrationError
-from services.scheduler.worker_session import WorkerProtocolError, WorkerSession
+from services.scheduler.worker_checks import WorkerProtocolError
+from services.scheduler.worker_session import WorkerSession
 
 logger = logging.getLogger(__name__)
 

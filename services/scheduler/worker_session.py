@@ -13,10 +13,7 @@ from services.common.scheduler_output import SchedulerOutput
 from services.scheduler.kv_store import KVStore
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler import Scheduler
-
-
-class WorkerProtocolError(RuntimeError):
-    """The worker sent something the step protocol does not allow."""
+from services.scheduler.worker_checks import WorkerProtocolError, check_runner_output
 
 
 # Called with each step's outputs, keyed by client index.
@@ -37,16 +34,17 @@ class WorkerSession:
     """
 
     def __init__(self, worker_id: str, engine_index: int, scheduler: Scheduler,
-                 store: KVStore, on_outputs: OutputsCallback) -> None:
+                 store: KVStore, on_outputs: OutputsCallback, vocab_size: int) -> None:
         self.worker_id = worker_id
         self.engine_index = engine_index
+        self.vocab_size = vocab_size
         self.scheduler = scheduler
         self.store = store
         self.outbox: asyncio.Queue[spb.SchedulerMessage | None] = asyncio.Queue()
         self.outbox.put_nowait(registered_message(engine_index))
         self._on_outputs = on_outputs
         self._wakeup = asyncio.Event()
-        self._pending_step_id = 0
+        self._pending_step: SchedulerOutput | None = None
         self._pending_output: asyncio.Future[ModelRunnerOutput] | None = None
         self._task: asyncio.Task[None] | None = None
         self._draining = False
@@ -103,13 +101,16 @@ class WorkerSession:
         return sorted(self.scheduler.requests.values())
 
     def on_runner_output(self, output: ModelRunnerOutput) -> None:
-        """Hands the worker's output to the loop; it must answer the step in flight."""
-        future = self._pending_output
-        if future is None or output.step_id != self._pending_step_id:
-            raise WorkerProtocolError(
-                f"worker {self.worker_id} answered step {output.step_id}, "
-                f"step in flight is {self._pending_step_id if future else 'none'}"
-            )
+        """Hands the worker's output to the loop once it is checked against the step
+        in flight (``worker_checks.check_runner_output``); WorkerProtocolError if not."""
+        future, step = self._pending_output, self._pending_step
+        if future is None or step is None:
+            raise WorkerProtocolError(f"worker {self.worker_id} answered step "
+                                      f"{output.step_id}, but no step is in flight")
+        try:
+            check_runner_output(output, step, self.vocab_size)
+        except WorkerProtocolError as e:
+            raise WorkerProtocolError(f"worker {self.worker_id}: {e}") from None
         self._pending_output = None
         future.set_result(output)
 
@@ -142,10 +143,10 @@ class WorkerSession:
 
     async def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         future: asyncio.Future[ModelRunnerOutput] = asyncio.get_running_loop().create_future()
-        self._pending_step_id = scheduler_output.step_id
+        self._pending_step = scheduler_output
         self._pending_output = future
         self.outbox.put_nowait(step_message(scheduler_output))
         try:
             return await future
         finally:
-            self._pending_output = None
+            self._pending_step = self._pending_output = None

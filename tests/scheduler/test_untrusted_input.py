@@ -1,5 +1,6 @@
 """The scheduler behind the frontend: bad requests fail alone, aborts belong to their
-owner, and a request that loses two workers is not placed on a third.
+owner, a request that loses two workers is not placed on a third, and a worker
+that registers too big or lies in its output is refused or cut off.
 
 Real scheduler service and in-process workers on loopback; the "frontends" are
 raw FrontendStreams, which is what anyone reaching the scheduler's port has.
@@ -13,14 +14,23 @@ import dataclasses
 import grpc
 import pytest
 
-from services.common.convert import add_request_message
+from kvmesh.v1 import scheduler_pb2_grpc
+from services.common.convert import (
+    add_request_message,
+    registration_message,
+    runner_output_message,
+    scheduler_message_from_proto,
+)
 from services.common.engine import FinishReason
+from services.common.model_runner_output import ModelRunnerOutput
+from services.common.registration import WorkerRegistration
 from tests.grpc_utils import (
     NUM_KV_BLOCKS,
     VOCAB_SIZE,
     FrontendClient,
     get_stats,
     greedy_request,
+    reference_tokens,
     save_tiny_llama,
     start_scheduler,
     start_worker,
@@ -145,3 +155,72 @@ def test_a_request_that_loses_two_workers_is_not_placed_on_a_third(model_dir):
     output = run(scenario())
     assert (output.finish_reason, output.status_code) == (FinishReason.ABORT, INTERNAL)
     assert "lost 2 workers" in output.finish_message
+
+
+class LyingWorker:
+    """A peer that registers like a worker, then answers its first step with a
+    token id outside the vocabulary: what a compromised worker would send."""
+
+    def __init__(self, address: str, model: str, **registration) -> None:
+        self.channel = grpc.aio.insecure_channel(address)
+        self.call = scheduler_pb2_grpc.EngineCoreStub(self.channel).WorkerStream()
+        self.registration = WorkerRegistration(
+            **{"worker_id": "liar", "model": model, "dtype": "float32", "block_size": 16,
+               "num_blocks": NUM_KV_BLOCKS, "max_model_len": 256, "vocab_size": VOCAB_SIZE,
+               **registration})
+
+    async def register(self) -> None:
+        await self.call.write(registration_message(self.registration))
+        await self.call.read()  # the acknowledgement
+
+    async def lie_once(self) -> None:
+        step = scheduler_message_from_proto(await self.call.read())
+        req_ids = list(step.num_scheduled_tokens)
+        await self.call.write(runner_output_message(ModelRunnerOutput(
+            req_ids=req_ids, sampled_token_ids=[[VOCAB_SIZE + 1]] * len(req_ids),
+            step_id=step.step_id)))
+
+    async def close(self) -> None:
+        self.call.cancel()
+        await self.channel.close()
+
+
+def test_an_oversized_registration_is_refused(model_dir):
+    async def scenario():
+        server = await start_scheduler()
+        liar = LyingWorker(server.address, str(model_dir), num_blocks=3_000_000)
+        with pytest.raises(grpc.aio.AioRpcError) as excinfo:
+            await liar.register()
+        await liar.close()
+        await server.stop(0.1)
+        return excinfo.value
+
+    error = run(scenario())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "num_blocks is 3000000, allowed range is [2, 1048576]" in error.details()
+
+
+def test_a_lying_worker_is_cut_off_and_its_requests_finish_elsewhere(model_dir):
+    request = greedy_request("r", [3, 4, 5, 6, 7], 12)
+    expected = reference_tokens(model_dir, [request])
+
+    async def scenario():
+        server = await start_scheduler()
+        liar = LyingWorker(server.address, str(model_dir))
+        await liar.register()  # engine index 0: placement prefers it
+        honest = start_worker(server.address, model_dir, "honest")
+        await wait_for_workers(server.address, ["liar", "honest"])
+        client = FrontendClient(server.address)
+        await client.add(request)
+        await liar.lie_once()
+        await client.wait_finished("r")
+        stats = await get_stats(server.address)
+        await client.close()
+        await liar.close()
+        await server.stop(1.0)
+        await honest.task
+        return client, stats
+
+    client, stats = run(scenario())
+    assert dict(client.tokens) == expected
+    assert [w.worker_id for w in stats.workers] == ["honest"]
