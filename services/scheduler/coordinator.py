@@ -17,7 +17,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import grpc
-import redis
 
 from services.common.engine import (
     EngineCoreOutput,
@@ -30,6 +29,7 @@ from services.common.registration import WorkerRegistration
 from services.common.stats import SchedulerStats
 from services.common.validation import ValidationError, validate_engine_core_request
 from services.scheduler.config import SchedulerServiceConfig, make_scheduler_config
+from services.scheduler.kv_store import KVStore
 from services.scheduler.request import Request
 from services.scheduler.router import RequestFactory, Router
 from services.scheduler.scheduler import Scheduler, WaitingQueueFullError
@@ -233,21 +233,38 @@ class Coordinator:
 
     # ------------------------------------------------------------ workers
 
-    def register_worker(self, registration: WorkerRegistration, kv_cache_id: str) -> WorkerSession:
-        """Builds the worker's session: a Scheduler sized by what it reported.
+    async def register_worker(self, registration: WorkerRegistration,
+                              kv_cache_id: str) -> WorkerSession:
+        """Builds the worker's session: a Scheduler sized by what it reported, on
+        the prefix cache its store still holds for ``kv_cache_id``.
 
         Raises RegistrationError while draining (UNAVAILABLE), for a duplicate
         worker id (ALREADY_EXISTS), another model or vocabulary than the
         cluster serves (FAILED_PRECONDITION) or a geometry outside
-        ``registration_bounds`` (INVALID_ARGUMENT).
+        ``registration_bounds`` (INVALID_ARGUMENT). The store is opened on a
+        thread: Redis never blocks the event loop, and never refuses a worker.
         """
-        worker_id = registration.worker_id
         model = normalize_model_name(registration.model)
+        self._check_admission(registration, model)
+        try:
+            check_registration(registration, self.config.registration_bounds)
+        except ValueError as e:
+            raise RegistrationError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        store = await asyncio.to_thread(self.stores.open, model, registration.worker_id,
+                                        kv_cache_id)
+        try:
+            self._check_admission(registration, model)  # the world may have moved meanwhile
+        except RegistrationError:
+            self.stores.release(model, registration.worker_id, store, trusted=True)
+            raise
+        return self._start_session(registration, model, store)
+
+    def _check_admission(self, registration: WorkerRegistration, model: str | None) -> None:
         if self.draining:
             raise RegistrationError(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
-        if worker_id in self.sessions:
+        if registration.worker_id in self.sessions:
             raise RegistrationError(grpc.StatusCode.ALREADY_EXISTS,
-                                    f"worker_id {worker_id!r} is already registered")
+                                    f"worker_id {registration.worker_id!r} is already registered")
         if self.model is not None and model != self.model:
             raise RegistrationError(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"worker serves model {model!r}, this scheduler serves {self.model!r}")
@@ -255,21 +272,16 @@ class Coordinator:
             raise RegistrationError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"worker has vocab_size {registration.vocab_size}, the cluster {self.vocab_size}")
+
+    def _start_session(self, registration: WorkerRegistration, model: str | None,
+                       store: KVStore) -> WorkerSession:
         engine_index = self._next_engine_index
-        try:
-            check_registration(registration, self.config.registration_bounds)
-            config = make_scheduler_config(self.config.scheduling, registration, engine_index)
-        except ValueError as e:
-            raise RegistrationError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        try:
-            store = self.stores.open(model, worker_id, kv_cache_id, config.num_blocks, config.block_size)
-            scheduler = Scheduler(config, store)  # recovers the stored prefix cache
-            self.stores.mark_trusted(model, worker_id, store, kv_cache_id)
-        except redis.RedisError as e:
-            raise RegistrationError(grpc.StatusCode.UNAVAILABLE, f"the KV store is unreachable: {e}") from e
+        config = make_scheduler_config(self.config.scheduling, registration, engine_index)
+        scheduler = Scheduler(config, store)  # recovers the stored prefix cache
         self.model = model
         self.vocab_size = registration.vocab_size
         self._next_engine_index += 1
+        worker_id = registration.worker_id
         session = WorkerSession(worker_id, engine_index, scheduler, store, self.route_outputs,
                                 registration.vocab_size)
         self.sessions[worker_id] = session

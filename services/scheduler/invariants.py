@@ -24,8 +24,8 @@ def check_invariants(scheduler: Scheduler, check_store: bool = True) -> None:
     matching status. Blocks: each is free xor referenced, ref counts equal the
     number of requests holding the block, the null block is never handed out,
     the prefix index matches the blocks' hashes. With ``check_store`` (only
-    meaningful right after a commit, i.e. after update_from_output or
-    finish_requests), the store's state equals the in-memory snapshot.
+    meaningful right after a commit, i.e. after update_from_output), the
+    store's state equals the in-memory snapshot.
     """
     kv = scheduler.kv_cache_manager
     _check_queues(scheduler)

@@ -181,22 +181,37 @@ class KVCacheManager:
         stats, self._stats = self._stats, PrefixCacheStats()
         return stats
 
-    def commit(self) -> None:
-        """Pushes everything changed since the last commit to the store in ONE
-        round trip; no-op when nothing changed or there is no store."""
-        self._commit(clear=False)
+    def commit(self, step_id: int = 0) -> None:
+        """Pushes everything changed since the last commit to the store as one
+        delta tagged ``step_id``; the whole state instead when the store asks for
+        it. No-op when nothing changed or there is no store.
 
-    def _commit(self, clear: bool) -> None:
+        Call it only once the worker has computed the steps scheduled so far:
+        the store must never index a block whose KV is not written yet.
+        """
+        self._commit(clear=False, step_id=step_id)
+
+    def _commit(self, clear: bool, step_id: int = 0) -> None:
         changes = self.block_pool.take_changes()
         req_ids, self._dirty_req_ids = self._dirty_req_ids, set()
-        if self.store is None or not (clear or changes or req_ids):
+        if self.store is None:
             return
-        self.store.apply(self._make_delta(changes, req_ids, clear))
+        if not clear and self.store.wants_full_state():
+            self.store.apply(self._make_full_delta(step_id))
+        elif clear or changes or req_ids:
+            self.store.apply(self._make_delta(changes, req_ids, clear, step_id))
+
+    def _make_full_delta(self, step_id: int) -> KVStateDelta:
+        """A clear delta carrying every cached block and every request's blocks."""
+        cached = self.block_pool.cached_block_hash_to_block.values()
+        as_new = {block_id: None for same_hash in cached for block_id in same_hash}
+        return self._make_delta(as_new, set(self.req_to_blocks), True, step_id)
 
     def _make_delta(self, changes: dict[int, BlockHash | None], req_ids: set[str],
-                    clear: bool) -> KVStateDelta:
+                    clear: bool, step_id: int) -> KVStateDelta:
         pool = self.block_pool
-        delta = KVStateDelta(self.num_blocks, self.block_size, pool.get_num_free_blocks(), clear)
+        delta = KVStateDelta(self.num_blocks, self.block_size, pool.get_num_free_blocks(), clear,
+                             step_id)
         changed_hashes: set[BlockHash] = set()
         for block_id, old_hash in changes.items():
             block = pool.blocks[block_id]

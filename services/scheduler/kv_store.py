@@ -4,10 +4,12 @@ The scheduler's in-memory state is authoritative; the store gets each step's
 changes in one round trip and serves two readers: recovery (a restarted
 scheduler rebuilds its prefix index) and visibility (block usage from any
 service). Placement reads the scheduler's own block pools, never the store.
+The stores here write synchronously; the scheduler service writes through
+``kv_mirror.MirroredKVStore``, which keeps Redis off the step's path.
 
 Redis layout, every key under ``kvmesh:{model}:{worker_id}:``:
 
-- ``meta``         HASH  num_blocks, block_size, num_free_blocks
+- ``meta``         HASH  num_blocks, block_size, num_free_blocks, kv_cache_id
 - ``prefix``       HASH  hex block hash -> "id,id,..." (the prefix-hash index)
 - ``block_tokens`` HASH  block id -> "tok,tok,..." of each cached block (collision check)
 - ``free_seq``     ZSET  cached blocks in the free queue, scored by when they were
@@ -21,10 +23,15 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from services.scheduler.block_hash import BlockHash
 
 K = TypeVar("K")
+# Field of the ``meta`` hash naming the worker KV cache the state describes
+# (see worker_stores.py). A clear delta deletes the hash, and with it the field.
+KV_CACHE_ID_FIELD = "kv_cache_id"
 
 
 @dataclass(slots=True)
@@ -32,13 +39,18 @@ class KVStateDelta:
     """The new value of everything that changed since the last commit.
 
     In every map, None deletes the entry. Writes are idempotent: applying a
-    delta twice gives the same state. ``clear`` drops all stored state first.
+    delta twice gives the same state. ``clear`` drops all stored state first
+    (a clear delta carries the whole state). ``step_id`` is the scheduler step
+    after whose outputs the delta was taken; ``kv_cache_id``, on a clear
+    delta, names the worker KV cache the state describes.
     """
 
     num_blocks: int
     block_size: int
     num_free_blocks: int
     clear: bool = False
+    step_id: int = 0
+    kv_cache_id: str | None = None
     prefix_index: dict[str, list[int] | None] = field(default_factory=dict)  # hex hash -> block ids
     block_token_ids: dict[int, list[int] | None] = field(default_factory=dict)  # cached blocks
     free_seq: dict[int, int | None] = field(default_factory=dict)  # cached blocks in the free queue
@@ -79,11 +91,19 @@ class KVStateSnapshot:
 
 
 class KVStore(Protocol):
+    @property
+    def durable_step_id(self) -> int:
+        """The ``step_id`` of the newest delta known to be in the store (0: none)."""
+
     def apply(self, delta: KVStateDelta) -> None:
-        """Writes a delta in one round trip."""
+        """Writes a delta in one round trip (or queues it, for a mirrored store)."""
 
     def load(self) -> KVStateSnapshot | None:
         """The stored state, or None if nothing is stored."""
+
+    def wants_full_state(self) -> bool:
+        """True when the next delta must be a clear one carrying the whole state
+        (the store may have lost writes)."""
 
 
 def _merge(target: dict[K, list[int]], updates: dict[K, list[int] | None]) -> None:
@@ -100,6 +120,10 @@ class InMemoryKVStore:
     def __init__(self) -> None:
         self._state: KVStateSnapshot | None = None
         self._free_seq: dict[int, int] = {}
+        self.durable_step_id = 0
+
+    def wants_full_state(self) -> bool:
+        return False
 
     def apply(self, delta: KVStateDelta) -> None:
         if delta.clear or self._state is None:
@@ -116,6 +140,7 @@ class InMemoryKVStore:
                 self._free_seq.pop(block_id, None)
             else:
                 self._free_seq[block_id] = seq
+        self.durable_step_id = delta.step_id
 
     def load(self) -> KVStateSnapshot | None:
         if self._state is None:
@@ -140,10 +165,20 @@ def _decode_ids(text: str) -> list[int]:
 
 class RedisKVStore:
     """A KVStore in Redis; every call is one round trip (a MULTI/EXEC pipeline,
-    so readers never see half a step)."""
+    so readers never see half a step) and raises redis.RedisError on failure.
 
-    def __init__(self, url: str, model: str, worker_id: str) -> None:
-        self.client = redis.Redis.from_url(url, decode_responses=True)
+    ``timeout_s`` bounds every call (None: redis-py's default, no timeout);
+    with it, a failed command is not retried, so the caller learns of every
+    broken connection (the server may have restarted empty).
+    """
+
+    def __init__(self, url: str, model: str, worker_id: str, *,
+                 timeout_s: float | None = None) -> None:
+        options = {} if timeout_s is None else dict(
+            socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0), retry_on_error=[])
+        self.client = redis.Redis.from_url(url, decode_responses=True, **options)
+        self.durable_step_id = 0
         prefix = f"kvmesh:{model}:{worker_id}:"
         self.meta_key = prefix + "meta"
         self.prefix_key = prefix + "prefix"
@@ -155,13 +190,18 @@ class RedisKVStore:
         return [self.meta_key, self.prefix_key, self.block_tokens_key,
                 self.free_seq_key, self.req_blocks_key]
 
+    def wants_full_state(self) -> bool:
+        return False
+
     def apply(self, delta: KVStateDelta) -> None:
         pipe = self.client.pipeline(transaction=True)
         if delta.clear:
             pipe.delete(*self._all_keys())
-        pipe.hset(self.meta_key, mapping={"num_blocks": delta.num_blocks,
-                                          "block_size": delta.block_size,
-                                          "num_free_blocks": delta.num_free_blocks})
+        meta = {"num_blocks": delta.num_blocks, "block_size": delta.block_size,
+                "num_free_blocks": delta.num_free_blocks}
+        if delta.kv_cache_id:
+            meta[KV_CACHE_ID_FIELD] = delta.kv_cache_id
+        pipe.hset(self.meta_key, mapping=meta)
         self._write_lists(pipe, self.prefix_key, delta.prefix_index)
         self._write_lists(pipe, self.block_tokens_key, delta.block_token_ids)
         self._write_lists(pipe, self.req_blocks_key, delta.req_blocks)
@@ -172,6 +212,15 @@ class RedisKVStore:
         if gone:
             pipe.zrem(self.free_seq_key, *gone)
         pipe.execute()
+        self.durable_step_id = delta.step_id
+
+    def read_kv_cache_id(self) -> str | None:
+        """The id of the worker KV cache the stored state describes, if any."""
+        return self.client.hget(self.meta_key, KV_CACHE_ID_FIELD)
+
+    def forget_kv_cache_id(self) -> None:
+        """Marks the stored state as describing no KV cache (it will not be recovered)."""
+        self.client.hdel(self.meta_key, KV_CACHE_ID_FIELD)
 
     @staticmethod
     def _write_lists(pipe: redis.client.Pipeline, key: str,

@@ -50,8 +50,8 @@ class Scheduler:
     for that step, also when nothing was scheduled: outputs of requests
     finished outside a step (IGNORED on arrival) are returned by the next
     ``update_from_output()``. The scheduler's in-memory state is authoritative;
-    ``kv_cache_manager.commit()`` mirrors each step's block changes to the
-    store in one round trip.
+    ``update_from_output`` mirrors each step's block changes to the store as
+    one delta, once the worker has computed the step.
     """
 
     def __init__(self, config: SchedulerConfig, store: KVStore | None = None) -> None:
@@ -134,7 +134,9 @@ class Scheduler:
 
         Unknown or already finished ids are ignored. The ids go into the next
         ``SchedulerOutput.finished_req_ids``. No output is produced: whoever
-        finishes a request already knows.
+        finishes a request already knows. The freed blocks reach the store with
+        the next ``update_from_output``: a step may be in flight, and the store
+        must not see the blocks it allocated before the worker computed them.
         """
         if not RequestStatus.is_finished(finished_status):
             raise ValueError(f"finished_status is {finished_status!r}, must be a FINISHED_* status")
@@ -156,7 +158,15 @@ class Scheduler:
             self.running = [r for r in self.running if r.request_id not in running_ids]
         if waiting:
             self.waiting.remove_requests(waiting)
-        self.kv_cache_manager.commit()
+
+    def commit_store(self) -> None:
+        """Pushes what the store has not seen (the whole state when it asks for it).
+
+        Only between steps: update_from_output does this for every step; an idle
+        loop calls it so that a store which lost writes is repaired without waiting
+        for the next request.
+        """
+        self.kv_cache_manager.commit(self._step_id)
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -350,7 +360,7 @@ class Scheduler:
                 client_outputs.append(output)
         if any_stopped:
             self.running = [r for r in self.running if r.status is running_status]
-        self.kv_cache_manager.commit()
+        self.kv_cache_manager.commit(scheduler_output.step_id)
         timestamp = time.monotonic()
         engine_index = self.config.engine_index
         return {

@@ -92,7 +92,7 @@ class EngineCoreServicer(scheduler_pb2_grpc.EngineCoreServicer):
         metadata = dict(context.invocation_metadata() or ())
         kv_cache_id = str(metadata.get(KV_CACHE_ID_METADATA_KEY, ""))
         try:
-            session = self.coordinator.register_worker(registration, kv_cache_id)
+            session = await self.coordinator.register_worker(registration, kv_cache_id)
         except RegistrationError as e:
             logger.warning("event=worker_refused worker=%s status=%s reason=%r",
                            registration.worker_id, e.code.name, str(e))

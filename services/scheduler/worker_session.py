@@ -16,6 +16,9 @@ from services.scheduler.scheduler import Scheduler
 from services.scheduler.worker_checks import WorkerProtocolError, check_runner_output
 
 
+# How often an idle session checks whether its store needs the whole state again.
+_IDLE_STORE_CHECK_S = 0.5
+
 # Called with each step's outputs, keyed by client index.
 OutputsCallback = Callable[["WorkerSession", dict[int, EngineCoreOutputs]], None]
 
@@ -123,7 +126,7 @@ class WorkerSession:
             # on sets it again, so no wakeup is lost.
             self._wakeup.clear()
             if not scheduler.has_requests():
-                await self._wakeup.wait()
+                await self._idle()
                 continue
             scheduler_output = scheduler.schedule()
             if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids:
@@ -138,8 +141,18 @@ class WorkerSession:
             if not scheduler_output.total_num_scheduled_tokens:
                 # Nothing was schedulable: only a new request or an abort can
                 # change that, so sleep until one arrives instead of spinning.
-                await self._wakeup.wait()
+                await self._idle()
         self.outbox.put_nowait(drain_message())
+
+    async def _idle(self) -> None:
+        """Sleeps until a request or an abort arrives; meanwhile repairs a store
+        that lost writes (Redis came back), which only a commit does."""
+        while not self._wakeup.is_set():
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), _IDLE_STORE_CHECK_S)
+            except TimeoutError:
+                if self.store.wants_full_state():
+                    self.scheduler.commit_store()
 
     async def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         future: asyncio.Future[ModelRunnerOutput] = asyncio.get_running_loop().create_future()

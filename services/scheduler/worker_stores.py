@@ -7,10 +7,15 @@ A worker that restarted under the same id has fresh, empty KV memory, and
 serving the old index would hand out garbage KV.
 
 So each worker sends a ``kv_cache_id`` (made when it allocated its KV cache)
-with its registration, and the store keeps the id of the cache it mirrors.
-The stored state is recovered only when the ids match; otherwise it is cleared
-first. A session lost while a step was in flight marks its store untrusted:
-the worker may or may not have computed that step's blocks.
+with its registration, and the store keeps the id of the cache it mirrors
+(written with every whole state, see kv_mirror.py). The stored state is
+recovered only when the ids match. A session lost while a step was in flight
+marks its store untrusted: the worker may or may not have computed that
+step's blocks.
+
+Opening reads Redis, so ``open`` runs on a thread; an unreachable Redis never
+refuses a worker: it starts with an empty prefix cache and its mirror catches
+up once Redis answers.
 """
 
 from __future__ import annotations
@@ -19,14 +24,13 @@ import logging
 
 import redis
 
-from services.scheduler.kv_store import InMemoryKVStore, KVStateDelta, KVStore, RedisKVStore
-
-# Field of the store's ``meta`` hash holding the id of the KV cache it mirrors.
-# KVCacheManager's clearing commit deletes the whole hash, so a cleared store
-# never claims to mirror any cache.
-KV_CACHE_ID_FIELD = "kv_cache_id"
+from services.scheduler.kv_mirror import MirroredKVStore
+from services.scheduler.kv_store import InMemoryKVStore, KVStore, RedisKVStore
 
 logger = logging.getLogger(__name__)
+
+# Redis calls made for a worker's mirror give up after this long.
+REDIS_TIMEOUT_S = 1.0
 
 
 class WorkerStores:
@@ -42,43 +46,35 @@ class WorkerStores:
         # (model, worker_id) -> (kv_cache_id, store), in-memory mode only.
         self._memory: dict[tuple[str, str], tuple[str, InMemoryKVStore]] = {}
 
-    def open(self, model: str, worker_id: str, kv_cache_id: str,
-             num_blocks: int, block_size: int) -> KVStore:
-        """The worker's store, cleared unless it mirrors the cache ``kv_cache_id`` names.
+    def open(self, model: str, worker_id: str, kv_cache_id: str) -> KVStore:
+        """The worker's store; its ``load()`` gives the stored state only if it
+        mirrors the cache ``kv_cache_id`` names (an empty id never matches).
 
-        Build the Scheduler on it (which recovers what is left), then call
-        ``mark_trusted``. An empty ``kv_cache_id`` never matches.
+        Blocks on Redis for up to a few timeouts: call it on a thread.
         """
         if self.redis_url is None:
-            stored_id, kept = self._memory.pop((model, worker_id), ("", None))
-            if kept is None or not kv_cache_id or stored_id != kv_cache_id:
-                return InMemoryKVStore()
-            return kept
-        store = RedisKVStore(self.redis_url, model, worker_id)
-        stored_id = store.client.hget(store.meta_key, KV_CACHE_ID_FIELD)
-        if not kv_cache_id or stored_id != kv_cache_id:
-            store.apply(KVStateDelta(num_blocks, block_size, num_blocks - 1, clear=True))
+            return self._open_in_memory(model, worker_id, kv_cache_id)
+        store = RedisKVStore(self.redis_url, model, worker_id, timeout_s=REDIS_TIMEOUT_S)
+        try:
+            matches = bool(kv_cache_id) and store.read_kv_cache_id() == kv_cache_id
+            snapshot = store.load() if matches else None
+        except redis.RedisError as e:
+            logger.warning("event=kv_store_unreachable worker=%s error=%r", worker_id, e)
+            return MirroredKVStore(store, worker_id, kv_cache_id, None, reachable=False)
+        return MirroredKVStore(store, worker_id, kv_cache_id, snapshot)
+
+    def _open_in_memory(self, model: str, worker_id: str, kv_cache_id: str) -> KVStore:
+        stored_id, kept = self._memory.pop((model, worker_id), ("", None))
+        store = kept if kept is not None and kv_cache_id and stored_id == kv_cache_id else None
+        store = store or InMemoryKVStore()
+        if kv_cache_id:
+            self._memory[(model, worker_id)] = (kv_cache_id, store)
         return store
 
-    def mark_trusted(self, model: str, worker_id: str, store: KVStore, kv_cache_id: str) -> None:
-        """Records that ``store`` now mirrors the KV cache ``kv_cache_id``."""
-        if not kv_cache_id:
-            return
-        if isinstance(store, RedisKVStore):
-            store.client.hset(store.meta_key, KV_CACHE_ID_FIELD, kv_cache_id)
-        elif isinstance(store, InMemoryKVStore):
-            self._memory[(model, worker_id)] = (kv_cache_id, store)
-
     def release(self, model: str, worker_id: str, store: KVStore, *, trusted: bool) -> None:
-        """Leaves the store for a future worker with this id; untrusted ones will be cleared."""
-        if isinstance(store, RedisKVStore):
-            try:
-                if not trusted:
-                    store.client.hdel(store.meta_key, KV_CACHE_ID_FIELD)
-                store.close()
-            except redis.RedisError as e:
-                # Failover must go on; a store that cannot be marked untrusted
-                # is still cleared unless the same KV cache comes back.
-                logger.warning("event=kv_store_release_failed worker=%s error=%r", worker_id, e)
+        """Leaves the store for a future worker with this id; untrusted ones will not
+        be recovered. Never blocks: a mirrored store finishes on its own thread."""
+        if isinstance(store, MirroredKVStore):
+            store.close(trusted=trusted)
         elif not trusted:
             self._memory.pop((model, worker_id), None)

@@ -142,7 +142,8 @@ def run_random_workload(seed: int, policy: str, num_requests: int, store: KVStor
         check_invariants(scheduler)
         if rng.random() < 0.05 and scheduler.requests:
             abort(scheduler, expected, rng.choice(list(scheduler.requests)), "unknown-id")
-            check_invariants(scheduler)
+            # The abort reaches the store with the next update_from_output.
+            check_invariants(scheduler, check_store=False)
 
     for exp in expected.values():
         if not exp.aborted:
