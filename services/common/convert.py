@@ -254,6 +254,7 @@ def scheduler_output_to_proto(s: SchedulerOutput) -> pb.SchedulerOutput:
         total_num_scheduled_tokens=s.total_num_scheduled_tokens,
         finished_req_ids=sorted(s.finished_req_ids),
         step_id=s.step_id,
+        durable_step_id=s.durable_step_id,
     )
 
 
@@ -281,6 +282,7 @@ def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
         total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
         finished_req_ids=set(msg.finished_req_ids),
         step_id=msg.step_id,
+        durable_step_id=msg.durable_step_id,
     )
 
 
@@ -336,7 +338,7 @@ def registration_message(r: WorkerRegistration) -> spb.WorkerMessage:
     msg = spb.WorkerRegistration(
         worker_id=r.worker_id, model=r.model, dtype=r.dtype, block_size=r.block_size,
         num_blocks=r.num_blocks, max_model_len=r.max_model_len, vocab_size=r.vocab_size,
-        eos_token_ids=r.eos_token_ids,
+        eos_token_ids=r.eos_token_ids, dirty_block_ids=r.dirty_block_ids,
     )
     if r.limits is not None:
         msg.max_num_seqs = r.limits.max_num_seqs
@@ -352,7 +354,7 @@ def _registration_from_proto(r: spb.WorkerRegistration) -> WorkerRegistration:
                                   max_num_batched_tokens=r.max_num_batched_tokens)
     return WorkerRegistration(
         r.worker_id, r.model, r.dtype, r.block_size, r.num_blocks, r.max_model_len,
-        r.vocab_size, list(r.eos_token_ids), limits,
+        r.vocab_size, list(r.eos_token_ids), limits, list(r.dirty_block_ids),
     )
 
 

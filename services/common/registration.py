@@ -14,6 +14,9 @@ class WorkerRegistration:
     The scheduler builds that worker's block pool from ``num_blocks`` and
     ``block_size`` and never schedules past ``limits``, the sizes of the
     worker's batch buffers (None: not reported, the scheduler's own apply).
+    ``dirty_block_ids`` are blocks the worker may have written since the
+    scheduler's mirror last became durable: their stored index entries may
+    describe KV that is gone, so they are never recovered.
     """
 
     worker_id: str
@@ -25,3 +28,4 @@ class WorkerRegistration:
     vocab_size: int
     eos_token_ids: list[int] = field(default_factory=list)
     limits: SchedulingLimits | None = None
+    dirty_block_ids: list[int] = field(default_factory=list)

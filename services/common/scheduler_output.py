@@ -47,3 +47,6 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)
     step_id: int = 0
+    # The newest step whose block changes the scheduler's mirror holds
+    # durably; -1: none since the worker registered.
+    durable_step_id: int = -1

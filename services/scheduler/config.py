@@ -117,6 +117,9 @@ class SchedulerServiceConfig:
     prefix-hit tokens one queued request on a worker is worth when placing
     requests (see router.Router). ``max_logprobs`` bounds the logprobs a
     request may ask for (the frontend's bound, checked again here).
+    ``fault_exit_after_step`` is fault injection for tests, 0 (off) by default:
+    the probability that the process exits (code 70) when a worker's answer
+    arrives, after the worker computed the step and before it is applied.
     """
 
     host: str = "127.0.0.1"
@@ -127,6 +130,7 @@ class SchedulerServiceConfig:
     load_weight_tokens: float = 32.0
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     registration_bounds: RegistrationBounds = field(default_factory=RegistrationBounds)
+    fault_exit_after_step: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -134,6 +138,9 @@ class SchedulerServiceConfig:
         if self.load_weight_tokens < 0:
             raise ValueError(f"load_weight_tokens is {self.load_weight_tokens}, must be >= 0")
         _check_at_least("max_logprobs", self.max_logprobs, 0)
+        if not 0.0 <= self.fault_exit_after_step <= 1.0:
+            raise ValueError(f"fault_exit_after_step is {self.fault_exit_after_step}, "
+                             "must be in [0, 1]")
 
 
 def make_scheduler_config(

@@ -255,7 +255,7 @@ class Coordinator:
         try:
             self._check_admission(registration, model)  # the world may have moved meanwhile
         except RegistrationError:
-            self.stores.release(model, registration.worker_id, store, trusted=True)
+            self.stores.release(store)
             raise
         return self._start_session(registration, model, store)
 
@@ -277,13 +277,14 @@ class Coordinator:
                        store: KVStore) -> WorkerSession:
         engine_index = self._next_engine_index
         config = make_scheduler_config(self.config.scheduling, registration, engine_index)
-        scheduler = Scheduler(config, store)  # recovers the stored prefix cache
+        # Recovers the stored prefix cache, but what the worker may have overwritten.
+        scheduler = Scheduler(config, store, registration.dirty_block_ids)
         self.model = model
         self.vocab_size = registration.vocab_size
         self._next_engine_index += 1
         worker_id = registration.worker_id
         session = WorkerSession(worker_id, engine_index, scheduler, store, self.route_outputs,
-                                registration.vocab_size)
+                                registration.vocab_size, self.config.fault_exit_after_step)
         self.sessions[worker_id] = session
         session.start(on_failure=self._on_session_failure)
         logger.info("event=worker_registered worker=%s engine_index=%d num_blocks=%d "
@@ -297,11 +298,9 @@ class Coordinator:
         if self.sessions.get(session.worker_id) is not session:
             return
         del self.sessions[session.worker_id]
-        trusted = not session.step_in_flight
         session.close()
         orphans = session.unfinished_requests()
-        assert self.model is not None  # set by the session's registration
-        self.stores.release(self.model, session.worker_id, session.store, trusted=trusted)
+        self.stores.release(session.store)
         logger.info("event=worker_removed worker=%s reason=%r num_requeued=%d",
                     session.worker_id, reason, len(orphans))
         for old in orphans:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from services.scheduler.block_hash import BlockHash
@@ -30,11 +31,13 @@ class KVCacheManager:
     ``num_blocks`` includes the null block 0, so ``num_blocks - 1`` blocks hold
     KV. With a ``store``, the constructor recovers the prefix cache the store
     holds for the same ``num_blocks`` and ``block_size`` (otherwise clears it),
-    and ``commit()`` pushes each step's changes in one round trip.
+    leaving out ``dirty_block_ids`` (blocks whose KV may have changed since the
+    store saw them), and ``commit()`` pushes each step's changes as one delta.
     """
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
-                 enable_caching: bool = True, store: KVStore | None = None) -> None:
+                 enable_caching: bool = True, store: KVStore | None = None,
+                 dirty_block_ids: Collection[int] = ()) -> None:
         if block_size < 1:
             raise ValueError(f"block_size is {block_size}, must be >= 1")
         if max_model_len < 1:
@@ -51,10 +54,11 @@ class KVCacheManager:
         self.store = store
         self._dirty_req_ids: set[str] = set()
         if store is not None:
-            self._recover(store)
+            self._recover(store, set(dirty_block_ids))
 
-    def _recover(self, store: KVStore) -> None:
-        """Restores the stored prefix cache, then rewrites the store from memory.
+    def _recover(self, store: KVStore, dirty_block_ids: set[int]) -> None:
+        """Restores the stored prefix cache but the dirty blocks, then rewrites the
+        store from memory.
 
         Every block starts free: the requests that held them died with the
         previous scheduler, and the store's request lists go with them.
@@ -63,7 +67,9 @@ class KVCacheManager:
         geometry = (self.num_blocks, self.block_size)
         if (self.enable_caching and snapshot is not None
                 and (snapshot.num_blocks, snapshot.block_size) == geometry):
-            self.block_pool.restore_cached_blocks(snapshot.cached_blocks_in_eviction_order())
+            entries = snapshot.cached_blocks_in_eviction_order()
+            self.block_pool.restore_cached_blocks(
+                [entry for entry in entries if entry[0] not in dirty_block_ids])
         self._commit(clear=True)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

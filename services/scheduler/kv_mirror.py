@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 
 _MIN_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 2.0
-_CLOSE_TIMEOUT_S = 2.0
+# Every Redis call times out after at most a connect plus a socket timeout.
+_CLOSE_TIMEOUT_S = 3.0
 
 
 def merge_deltas(older: KVStateDelta, newer: KVStateDelta) -> KVStateDelta:
@@ -61,8 +62,7 @@ class MirroredKVStore:
         self._pending: KVStateDelta | None = None
         self._want_full = not reachable
         self._closing = False
-        self._trusted_on_close = True
-        self.durable_step_id = 0
+        self.durable_step_id = -1
         self.is_behind = not reachable
         self.num_errors = 0
         self._thread = threading.Thread(target=self._run, name=f"kv-mirror-{worker_id}",
@@ -88,12 +88,11 @@ class MirroredKVStore:
             self._pending = delta if self._pending is None else merge_deltas(self._pending, delta)
             self._work.notify()
 
-    def close(self, *, trusted: bool) -> None:
-        """Writes what is pending (bounded wait), unmarks the cache if not ``trusted``,
-        and stops the writer. Returns at once; the thread finishes on its own."""
+    def close(self) -> None:
+        """Writes what is pending (one try) and stops the writer. Returns at once;
+        ``join`` waits for the thread, which every Redis timeout bounds."""
         with self._work:
             self._closing = True
-            self._trusted_on_close = trusted
             self._work.notify()
 
     def flush(self, timeout_s: float = 5.0) -> bool:
@@ -122,7 +121,7 @@ class MirroredKVStore:
             backoff_s = _MIN_BACKOFF_S
             if closing:
                 break
-        self._release()
+        self.store.close()
 
     def _write(self, delta: KVStateDelta) -> bool:
         try:
@@ -157,17 +156,7 @@ class MirroredKVStore:
         with self._work:
             self._work.wait_for(lambda: self._closing, seconds)
 
-    def _release(self) -> None:
-        try:
-            if not self._trusted_on_close:
-                self.store.forget_kv_cache_id()
-        except redis.RedisError as e:
-            # A store that cannot be unmarked is still cleared unless the same
-            # KV cache comes back (see worker_stores.py).
-            logger.warning("event=kv_store_release_failed worker=%s error=%r", self.worker_id, e)
-        finally:
-            self.store.close()
-
-    def join(self, timeout_s: float = _CLOSE_TIMEOUT_S) -> None:
-        """Waits for the writer thread to end (after ``close``)."""
+    def join(self, timeout_s: float = _CLOSE_TIMEOUT_S) -> bool:
+        """Waits for the writer thread to end (after ``close``); False on timeout."""
         self._thread.join(timeout_s)
+        return not self._thread.is_alive()

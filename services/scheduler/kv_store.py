@@ -93,7 +93,7 @@ class KVStateSnapshot:
 class KVStore(Protocol):
     @property
     def durable_step_id(self) -> int:
-        """The ``step_id`` of the newest delta known to be in the store (0: none)."""
+        """The ``step_id`` of the newest delta known to be in the store (-1: none)."""
 
     def apply(self, delta: KVStateDelta) -> None:
         """Writes a delta in one round trip (or queues it, for a mirrored store)."""
@@ -120,7 +120,7 @@ class InMemoryKVStore:
     def __init__(self) -> None:
         self._state: KVStateSnapshot | None = None
         self._free_seq: dict[int, int] = {}
-        self.durable_step_id = 0
+        self.durable_step_id = -1
 
     def wants_full_state(self) -> bool:
         return False
@@ -178,7 +178,7 @@ class RedisKVStore:
             socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0), retry_on_error=[])
         self.client = redis.Redis.from_url(url, decode_responses=True, **options)
-        self.durable_step_id = 0
+        self.durable_step_id = -1
         prefix = f"kvmesh:{model}:{worker_id}:"
         self.meta_key = prefix + "meta"
         self.prefix_key = prefix + "prefix"
@@ -217,10 +217,6 @@ class RedisKVStore:
     def read_kv_cache_id(self) -> str | None:
         """The id of the worker KV cache the stored state describes, if any."""
         return self.client.hget(self.meta_key, KV_CACHE_ID_FIELD)
-
-    def forget_kv_cache_id(self) -> None:
-        """Marks the stored state as describing no KV cache (it will not be recovered)."""
-        self.client.hdel(self.meta_key, KV_CACHE_ID_FIELD)
 
     @staticmethod
     def _write_lists(pipe: redis.client.Pipeline, key: str,

@@ -15,7 +15,7 @@ lowest-priority, latest-arriving running request frees its blocks, resets
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from services.common.engine import (
     EngineCoreOutput,
@@ -54,7 +54,8 @@ class Scheduler:
     one delta, once the worker has computed the step.
     """
 
-    def __init__(self, config: SchedulerConfig, store: KVStore | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, store: KVStore | None = None,
+                 dirty_block_ids: Collection[int] = ()) -> None:
         self.config = config
         # A request that outgrows the pool could only preempt itself forever,
         # so the pool's capacity caps the model length like max_model_len does.
@@ -69,6 +70,7 @@ class Scheduler:
             max_model_len=self.max_model_len,
             enable_caching=config.enable_prefix_caching,
             store=store,
+            dirty_block_ids=dirty_block_ids,
         )
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(config.policy)

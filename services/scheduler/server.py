@@ -113,6 +113,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[SchedulerServiceConfig, a
     SchedulingOptions.add_cli_args(p)
     p.add_argument("--load-weight-tokens", type=float, default=d.load_weight_tokens)
     p.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
+    p.add_argument("--fault-exit-after-step", type=float, default=d.fault_exit_after_step,
+                   help="fault injection for tests: probability of exiting (code 70) when "
+                        "a worker's answer arrives, before it is applied; default 0 (off)")
     p.add_argument("--shutdown-grace-s", type=float, default=5.0)
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
@@ -124,6 +127,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[SchedulerServiceConfig, a
         scheduling=SchedulingOptions.from_cli_args(args),
         load_weight_tokens=args.load_weight_tokens,
         max_logprobs=args.max_logprobs,
+        fault_exit_after_step=args.fault_exit_after_step,
     )
     return config, args
 

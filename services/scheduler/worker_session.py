@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import random
 from collections.abc import Callable, Iterable
 
 from kvmesh.v1 import scheduler_pb2 as spb
@@ -15,6 +17,9 @@ from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.worker_checks import WorkerProtocolError, check_runner_output
 
+
+# The exit code of the fault-injection hook (SchedulerServiceConfig.fault_exit_after_step).
+FAULT_EXIT_CODE = 70
 
 # How often an idle session checks whether its store needs the whole state again.
 _IDLE_STORE_CHECK_S = 0.5
@@ -37,10 +42,12 @@ class WorkerSession:
     """
 
     def __init__(self, worker_id: str, engine_index: int, scheduler: Scheduler,
-                 store: KVStore, on_outputs: OutputsCallback, vocab_size: int) -> None:
+                 store: KVStore, on_outputs: OutputsCallback, vocab_size: int,
+                 fault_exit_after_step: float = 0.0) -> None:
         self.worker_id = worker_id
         self.engine_index = engine_index
         self.vocab_size = vocab_size
+        self._fault_exit_after_step = fault_exit_after_step
         self.scheduler = scheduler
         self.store = store
         self.outbox: asyncio.Queue[spb.SchedulerMessage | None] = asyncio.Queue()
@@ -64,10 +71,6 @@ class WorkerSession:
                 on_failure(self, task.exception())
 
         self._task.add_done_callback(done)
-
-    @property
-    def step_in_flight(self) -> bool:
-        return self._pending_output is not None
 
     def close(self) -> None:
         """Stops the loop and ends the worker's stream. Idempotent."""
@@ -114,6 +117,8 @@ class WorkerSession:
             check_runner_output(output, step, self.vocab_size)
         except WorkerProtocolError as e:
             raise WorkerProtocolError(f"worker {self.worker_id}: {e}") from None
+        if self._fault_exit_after_step and random.random() < self._fault_exit_after_step:
+            os._exit(FAULT_EXIT_CODE)  # fault injection: die as SIGKILL would, mid-step
         self._pending_output = None
         future.set_result(output)
 
@@ -158,6 +163,8 @@ class WorkerSession:
         future: asyncio.Future[ModelRunnerOutput] = asyncio.get_running_loop().create_future()
         self._pending_step = scheduler_output
         self._pending_output = future
+        # Tells the worker which of the blocks it wrote the mirror now covers.
+        scheduler_output.durable_step_id = self.store.durable_step_id
         self.outbox.put_nowait(step_message(scheduler_output))
         try:
             return await future

@@ -1,4 +1,4 @@
-"""Each worker's KV store, and whether its stored prefix cache may be trusted.
+"""Each worker's KV store, and which of its stored prefix cache may be trusted.
 
 A stored prefix index is only worth recovering while the worker's KV memory
 still holds those blocks: the scheduler restarted, or the worker's stream
@@ -9,9 +9,12 @@ serving the old index would hand out garbage KV.
 So each worker sends a ``kv_cache_id`` (made when it allocated its KV cache)
 with its registration, and the store keeps the id of the cache it mirrors
 (written with every whole state, see kv_mirror.py). The stored state is
-recovered only when the ids match. A session lost while a step was in flight
-marks its store untrusted: the worker may or may not have computed that
-step's blocks.
+recovered only when the ids match. Within that state, the store only ever
+indexes blocks whose step the worker had computed (deltas are committed after
+the worker's answer), and the worker reports the blocks it may have written
+since the mirror last became durable (``WorkerRegistration.dirty_block_ids``):
+those are left out of the recovery, so no block is served whose KV changed
+after it was indexed — whenever the scheduler died or a write was lost.
 
 Opening reads Redis, so ``open`` runs on a thread; an unreachable Redis never
 refuses a worker: it starts with an empty prefix cache and its mirror catches
@@ -38,13 +41,17 @@ class WorkerStores:
 
     ``redis_url`` None keeps each worker's mirror in this process
     (InMemoryKVStore), so a worker that dials back to the same scheduler still
-    finds its prefix cache.
+    finds its prefix cache. ``timeout_s`` bounds each Redis call.
     """
 
-    def __init__(self, redis_url: str | None) -> None:
+    def __init__(self, redis_url: str | None, timeout_s: float = REDIS_TIMEOUT_S) -> None:
         self.redis_url = redis_url
+        self.timeout_s = timeout_s
         # (model, worker_id) -> (kv_cache_id, store), in-memory mode only.
         self._memory: dict[tuple[str, str], tuple[str, InMemoryKVStore]] = {}
+        # The live mirror of each worker, so a re-registration waits for the old
+        # writer to stop before it reads (no stale write lands after the new state).
+        self._mirrors: dict[tuple[str, str], MirroredKVStore] = {}
 
     def open(self, model: str, worker_id: str, kv_cache_id: str) -> KVStore:
         """The worker's store; its ``load()`` gives the stored state only if it
@@ -54,14 +61,20 @@ class WorkerStores:
         """
         if self.redis_url is None:
             return self._open_in_memory(model, worker_id, kv_cache_id)
-        store = RedisKVStore(self.redis_url, model, worker_id, timeout_s=REDIS_TIMEOUT_S)
+        previous = self._mirrors.pop((model, worker_id), None)
+        if previous is not None and not previous.join():
+            logger.warning("event=kv_mirror_writer_stuck worker=%s", worker_id)
+        store = RedisKVStore(self.redis_url, model, worker_id, timeout_s=self.timeout_s)
         try:
             matches = bool(kv_cache_id) and store.read_kv_cache_id() == kv_cache_id
             snapshot = store.load() if matches else None
         except redis.RedisError as e:
             logger.warning("event=kv_store_unreachable worker=%s error=%r", worker_id, e)
-            return MirroredKVStore(store, worker_id, kv_cache_id, None, reachable=False)
-        return MirroredKVStore(store, worker_id, kv_cache_id, snapshot)
+            mirror = MirroredKVStore(store, worker_id, kv_cache_id, None, reachable=False)
+        else:
+            mirror = MirroredKVStore(store, worker_id, kv_cache_id, snapshot)
+        self._mirrors[(model, worker_id)] = mirror
+        return mirror
 
     def _open_in_memory(self, model: str, worker_id: str, kv_cache_id: str) -> KVStore:
         stored_id, kept = self._memory.pop((model, worker_id), ("", None))
@@ -71,10 +84,8 @@ class WorkerStores:
             self._memory[(model, worker_id)] = (kv_cache_id, store)
         return store
 
-    def release(self, model: str, worker_id: str, store: KVStore, *, trusted: bool) -> None:
-        """Leaves the store for a future worker with this id; untrusted ones will not
-        be recovered. Never blocks: a mirrored store finishes on its own thread."""
+    def release(self, store: KVStore) -> None:
+        """Leaves the store for a future worker with the same id and KV cache.
+        Never blocks: a mirrored store finishes its last write on its own thread."""
         if isinstance(store, MirroredKVStore):
-            store.close(trusted=trusted)
-        elif not trusted:
-            self._memory.pop((model, worker_id), None)
+            store.close()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import Awaitable
@@ -36,6 +37,7 @@ from services.common.process import SHUTDOWN_SIGNALS, configure_logging
 from services.common.rpc import CHANNEL_OPTIONS, KV_CACHE_ID_METADATA_KEY
 from services.common.scheduler_output import SchedulerOutput
 from services.worker.config import WorkerConfig, WorkerServiceConfig, default_worker_id
+from services.worker.dirty_blocks import DirtyBlockLog
 from services.worker.sample import ThinkingConfig
 from services.worker.worker import Worker
 
@@ -69,6 +71,7 @@ class WorkerService:
         # Names this process's KV cache allocation: the scheduler trusts its
         # stored prefix index only for the cache it was built for.
         self.kv_cache_id = ""
+        self.dirty_blocks = DirtyBlockLog()
         self.engine_index: int | None = None
         self.health = health.aio.HealthServicer()
         self.health_port = 0
@@ -160,6 +163,7 @@ class WorkerService:
                 if scheduler_output is None:
                     logger.info("event=worker_drained worker=%s", self.config.worker_id)
                     return None
+                self.dirty_blocks.record(scheduler_output)
                 runner_output = await asyncio.to_thread(self.worker.execute_model, scheduler_output)
                 try:
                     await call.write(runner_output_message(runner_output))
@@ -184,12 +188,14 @@ class WorkerService:
                 call.cancel()
 
     async def _register(self, call: grpc.aio.StreamStreamCall) -> None:
-        registration = self.worker.registration_info(self.config.worker_id)
+        registration = dataclasses.replace(self.worker.registration_info(self.config.worker_id),
+                                           dirty_block_ids=self.dirty_blocks.dirty_block_ids())
         await call.write(registration_message(registration))
         ack = await call.read()
         if ack is grpc.aio.EOF:
             raise _SchedulerLost("the scheduler ended the stream before acknowledging")
         self.engine_index = registration_ack_from_proto(ack)
+        self.dirty_blocks.start_registration()
         logger.info("event=worker_registered worker=%s scheduler=%s engine_index=%d",
                     self.config.worker_id, self.config.scheduler_address, self.engine_index)
 

@@ -64,7 +64,7 @@ def test_the_mirror_equals_memory_once_flushed(redis_server):
     assert store.flush()
     assert stored(redis_server.url) == scheduler.kv_cache_manager.snapshot()
     assert store.durable_step_id == 60
-    store.close(trusted=True)
+    store.close()
 
 
 def test_a_stopped_redis_never_stalls_a_step_and_the_mirror_catches_up(redis_server):
@@ -88,7 +88,7 @@ def test_a_stopped_redis_never_stalls_a_step_and_the_mirror_catches_up(redis_ser
     assert store.flush()
     assert not store.is_behind and store.num_errors >= 1
     assert stored(redis_server.url) == scheduler.kv_cache_manager.snapshot()
-    store.close(trusted=True)
+    store.close()
 
 
 def test_a_redis_restarted_empty_gets_the_whole_state_again(redis_server):
@@ -108,7 +108,7 @@ def test_a_redis_restarted_empty_gets_the_whole_state_again(redis_server):
             scheduler.commit_store()  # what an idle session does
         assert stored(restarted.url) == scheduler.kv_cache_manager.snapshot()
         assert RedisKVStore(restarted.url, "m", "w0").read_kv_cache_id() == "cache-1"
-        store.close(trusted=True)
+        store.close()
 
 
 def test_a_worker_registers_while_redis_is_down_and_its_mirror_follows(redis_server):
@@ -122,7 +122,7 @@ def test_a_worker_registers_while_redis_is_down_and_its_mirror_follows(redis_ser
     with EmbeddedRedis(port=port) as restarted:
         assert store.flush(10)
         assert stored(restarted.url) == scheduler.kv_cache_manager.snapshot()
-        store.close(trusted=True)
+        store.close()
 
 
 def test_merged_deltas_apply_like_the_sequence():
