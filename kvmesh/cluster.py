@@ -11,6 +11,7 @@ a grace period.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from typing import IO
 
 from kvmesh.healthcheck import check_health
 from services.common.redis_server import EmbeddedRedis, free_port
+from services.common.security import CLUSTER_SECRET_ENV
 
 # (name, host, port) -> the child's command line.
 ArgvFactory = Callable[[str, str, int], list[str]]
@@ -40,6 +42,9 @@ class ClusterConfig:
     ``worker_args=["--num-kv-blocks", "64"]``). ``log_dir`` None lets the
     children write to this process's stdout/stderr; otherwise each writes
     ``<log_dir>/<name>.log``. ``env`` adds environment variables.
+    ``cluster_secret`` None makes a fresh one for each start: the children get
+    it through the environment, so nobody else on the machine can join or
+    read the internal plane.
     """
 
     model: str | None = None
@@ -54,6 +59,7 @@ class ClusterConfig:
     frontend_args: list[str] = field(default_factory=list)
     log_dir: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
+    cluster_secret: str | None = None
     startup_timeout_s: float = 600.0
     stop_grace_s: float = 10.0
 
@@ -154,6 +160,7 @@ class LocalCluster:
         self.workers: list[ServiceProcess] = []
         self.frontends: list[ServiceProcess] = []
         self._num_workers_started = 0
+        self.cluster_secret = config.cluster_secret or secrets.token_urlsafe(32)
 
     @property
     def scheduler_address(self) -> str:
@@ -233,7 +240,8 @@ class LocalCluster:
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
             log_path = log_dir / f"{name}.log"
-        return ServiceProcess(name, argv, f"{host}:{port}", log_path, self.config.env)
+        env = {**self.config.env, CLUSTER_SECRET_ENV: self.cluster_secret}
+        return ServiceProcess(name, argv, f"{host}:{port}", log_path, env)
 
     def _model_args(self) -> list[str]:
         args = []

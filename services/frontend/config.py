@@ -9,6 +9,7 @@ from pathlib import Path
 
 from services.common.max_model_len import max_model_len_from_hf_config
 from services.common.model_files import DEFAULT_MODEL_NAME
+from services.common.security import TlsConfig
 from services.common.validation import DEFAULT_MAX_LOGPROBS
 
 
@@ -18,7 +19,10 @@ class FrontendServiceConfig:
 
     ``model`` None is the default model; ``max_model_len`` None is the
     model's limit capped at 2048, as on the workers (pass the workers' value
-    when they use another). ``port`` 0 picks a free port.
+    when they use another). ``port`` 0 picks a free port. ``tls`` serves the
+    public API over TLS (its certificate and key) and authenticates the
+    frontend to the scheduler (the same certificate, checked against its CA);
+    ``cluster_secret`` goes with every scheduler call.
     """
 
     host: str = "127.0.0.1"
@@ -28,6 +32,8 @@ class FrontendServiceConfig:
     max_model_len: int | None = None
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     stream_interval: int = 1
+    tls: TlsConfig | None = None
+    cluster_secret: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

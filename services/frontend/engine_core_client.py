@@ -20,6 +20,7 @@ from kvmesh.v1 import api_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.convert import abort_message, add_request_message, engine_core_outputs_from_proto
 from services.common.engine import EngineCoreOutputs, EngineCoreRequest
 from services.common.rpc import CHANNEL_OPTIONS
+from services.common.security import TlsConfig, aio_channel, secret_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class EngineCoreClient:
     ``on_disconnect(reason)`` once each time an established stream breaks;
     ``on_connect()`` each time a stream is established. Backoff between
     connection attempts doubles from ``initial_backoff_s`` to ``max_backoff_s``.
+    ``tls`` and ``cluster_secret`` authenticate this frontend to the scheduler.
     """
 
     def __init__(
@@ -53,14 +55,17 @@ class EngineCoreClient:
         on_disconnect: DisconnectCallback | None = None,
         initial_backoff_s: float = 0.1,
         max_backoff_s: float = 2.0,
+        tls: TlsConfig | None = None,
+        cluster_secret: str | None = None,
     ) -> None:
         self.address = address
+        self._metadata = secret_metadata(cluster_secret)
         self._on_outputs = on_outputs
         self._on_connect = on_connect
         self._on_disconnect = on_disconnect
         self._initial_backoff_s = initial_backoff_s
         self._max_backoff_s = max_backoff_s
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = aio_channel(address, tls, CHANNEL_OPTIONS)
         self._stub = scheduler_pb2_grpc.EngineCoreStub(self._channel)
         # The outgoing queue of the current stream; None while disconnected.
         self._send_queue: asyncio.Queue[scheduler_pb2.FrontendMessage | None] | None = None
@@ -93,7 +98,8 @@ class EngineCoreClient:
 
     async def get_stats(self) -> api_pb2.ClusterStats:
         """The scheduler's GetStats (raises grpc.aio.AioRpcError on failure)."""
-        return await self._stub.GetStats(api_pb2.GetStatsRequest(), timeout=_STATS_TIMEOUT_S)
+        return await self._stub.GetStats(api_pb2.GetStatsRequest(), timeout=_STATS_TIMEOUT_S,
+                                         metadata=self._metadata)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -129,7 +135,7 @@ class EngineCoreClient:
     async def _run_one_stream(self) -> tuple[bool, str]:
         """Runs one stream until it ends: (whether it was established, why it ended)."""
         queue: asyncio.Queue[scheduler_pb2.FrontendMessage | None] = asyncio.Queue()
-        call = self._stub.FrontendStream(_drain(queue))
+        call = self._stub.FrontendStream(_drain(queue), metadata=self._metadata)
         established = False
         try:
             await call.wait_for_connection()

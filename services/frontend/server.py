@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import secrets
 from contextlib import aclosing
@@ -26,6 +27,7 @@ from kvmesh.v1 import api_pb2, api_pb2_grpc
 from services.common.model_files import resolve_model_dir
 from services.common.process import configure_logging, wait_for_shutdown_signal
 from services.common.rpc import SERVER_OPTIONS
+from services.common.security import add_security_args, bind, read_cluster_secret, tls_from_args
 from services.frontend import api_convert
 from services.frontend.async_llm import AsyncLLM, RequestFailedError
 from services.frontend.config import FrontendServiceConfig, ModelInfo, read_model_info
@@ -144,7 +146,9 @@ class FrontendServer:
         reflection.enable_server_reflection(
             (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
         )
-        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        # The public API authenticates clients by API key, not by certificate.
+        public_tls = None if config.tls is None else dataclasses.replace(config.tls, ca_file=None)
+        self.port = bind(self.server, f"{config.host}:{config.port}", public_tls)
         if self.port == 0:
             raise OSError(f"could not bind {config.host}:{config.port}")
 
@@ -183,6 +187,8 @@ class FrontendServer:
             engine.handle_outputs,
             on_connect=lambda: self._post_health(True),
             on_disconnect=lambda reason: self._on_disconnect(engine, reason),
+            tls=self.config.tls,
+            cluster_secret=self.config.cluster_secret,
         )
         engine.attach(self.engine_core)
         self.servicer.ready(engine, model_info, self.engine_core)
@@ -233,11 +239,13 @@ def parse_args(argv: list[str] | None = None) -> FrontendServiceConfig:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS)
     p.add_argument("--stream-interval", type=int, default=1)
+    add_security_args(p)
     args = p.parse_args(argv)
     return FrontendServiceConfig(
         host=args.host, port=args.port, scheduler_address=args.scheduler_address,
         model=args.model, max_model_len=args.max_model_len, max_logprobs=args.max_logprobs,
-        stream_interval=args.stream_interval,
+        stream_interval=args.stream_interval, tls=tls_from_args(args),
+        cluster_secret=read_cluster_secret(args.cluster_secret_file),
     )
 
 

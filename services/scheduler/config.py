@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 
 from services.common.limits import SchedulingLimits
 from services.common.registration import WorkerRegistration
+from services.common.security import TlsConfig
 from services.common.validation import DEFAULT_MAX_LOGPROBS
 from services.scheduler.request_queue import SchedulingPolicy
 
@@ -117,6 +118,8 @@ class SchedulerServiceConfig:
     prefix-hit tokens one queued request on a worker is worth when placing
     requests (see router.Router). ``max_logprobs`` bounds the logprobs a
     request may ask for (the frontend's bound, checked again here).
+    ``tls`` encrypts the server (mutual TLS when it names a CA);
+    ``cluster_secret``, when set, is required on every EngineCore call.
     ``fault_exit_after_step`` is fault injection for tests, 0 (off) by default:
     the probability that the process exits (code 70) when a worker's answer
     arrives, after the worker computed the step and before it is applied.
@@ -131,6 +134,8 @@ class SchedulerServiceConfig:
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     registration_bounds: RegistrationBounds = field(default_factory=RegistrationBounds)
     fault_exit_after_step: float = 0.0
+    tls: TlsConfig | None = None
+    cluster_secret: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -21,6 +21,14 @@ from grpc_reflection.v1alpha import reflection
 from kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.process import configure_logging, wait_for_shutdown_signal
 from services.common.rpc import SERVER_OPTIONS
+from services.common.security import (
+    ClusterSecretInterceptor,
+    TlsConfig,
+    add_security_args,
+    bind,
+    read_cluster_secret,
+    tls_from_args,
+)
 from services.scheduler.config import SchedulerServiceConfig, SchedulingOptions
 from services.scheduler.coordinator import Coordinator
 from services.scheduler.servicer import EngineCoreServicer
@@ -39,7 +47,9 @@ class SchedulerServer:
         self.config = config
         self.coordinator = Coordinator(config)
         self.health = health.aio.HealthServicer()
-        self._server = grpc.aio.server(options=SERVER_OPTIONS)
+        interceptors = ([ClusterSecretInterceptor(config.cluster_secret)]
+                        if config.cluster_secret else [])
+        self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         scheduler_pb2_grpc.add_EngineCoreServicer_to_server(EngineCoreServicer(self.coordinator), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
@@ -53,14 +63,15 @@ class SchedulerServer:
 
     async def start(self) -> None:
         """Binds and starts serving; health turns SERVING once listening."""
-        self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        self.port = bind(self._server, f"{self.config.host}:{self.config.port}", self.config.tls)
         if self.port == 0:
             raise OSError(f"could not bind {self.config.host}:{self.config.port}")
         await self._server.start()
         for service in ("", ENGINE_CORE_SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        logger.info("event=scheduler_serving address=%s redis=%s", self.address,
-                    "yes" if self.config.redis_url else "in-memory")
+        logger.info("event=scheduler_serving address=%s redis=%s tls=%s cluster_secret=%s",
+                    self.address, "yes" if self.config.redis_url else "in-memory",
+                    _tls_mode(self.config.tls), "yes" if self.config.cluster_secret else "no")
 
     async def stop(self, grace: float | None = 5.0, *, drain_workers: bool = True) -> None:
         """Drains, then stops the server.
@@ -85,6 +96,10 @@ class SchedulerServer:
 
     async def wait_for_termination(self) -> None:
         await self._server.wait_for_termination()
+
+
+def _tls_mode(tls: TlsConfig | None) -> str:
+    return "off" if tls is None else ("mutual" if tls.ca_file else "server")
 
 
 async def _wait_until(done: Callable[[], bool], deadline: float) -> None:
@@ -113,6 +128,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[SchedulerServiceConfig, a
     SchedulingOptions.add_cli_args(p)
     p.add_argument("--load-weight-tokens", type=float, default=d.load_weight_tokens)
     p.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
+    add_security_args(p)
     p.add_argument("--fault-exit-after-step", type=float, default=d.fault_exit_after_step,
                    help="fault injection for tests: probability of exiting (code 70) when "
                         "a worker's answer arrives, before it is applied; default 0 (off)")
@@ -128,6 +144,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[SchedulerServiceConfig, a
         load_weight_tokens=args.load_weight_tokens,
         max_logprobs=args.max_logprobs,
         fault_exit_after_step=args.fault_exit_after_step,
+        tls=tls_from_args(args),
+        cluster_secret=read_cluster_secret(args.cluster_secret_file),
     )
     return config, args
 

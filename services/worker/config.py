@@ -21,6 +21,7 @@ import torch
 
 from services.common.limits import SchedulingLimits
 from services.common.max_model_len import get_sliding_window, max_model_len_limit
+from services.common.security import TlsConfig
 from services.worker.cudagraph import CUDAGraphMode, default_capture_sizes
 from services.worker.cudagraph.dispatcher import DEFAULT_MAX_CAPTURE_SIZE
 from services.worker.sample import ThinkingConfig
@@ -269,7 +270,8 @@ class WorkerServiceConfig:
 
     ``health_port`` None serves no health endpoint; 0 picks a free port
     (``WorkerService.health_port`` tells which). ``connect_timeout_s`` None
-    waits for the scheduler forever.
+    waits for the scheduler forever. ``tls`` (client certificate and CA) and
+    ``cluster_secret`` authenticate the worker to the scheduler.
     """
 
     scheduler_address: str = "127.0.0.1:50052"
@@ -278,6 +280,8 @@ class WorkerServiceConfig:
     health_host: str = "127.0.0.1"
     health_port: int | None = None
     connect_timeout_s: float | None = None
+    tls: TlsConfig | None = None
+    cluster_secret: str | None = None
 
     def __post_init__(self) -> None:
         if not self.worker_id:

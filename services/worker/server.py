@@ -35,6 +35,13 @@ from services.common.convert import (
 from services.common.limits import SchedulingLimits
 from services.common.process import SHUTDOWN_SIGNALS, configure_logging
 from services.common.rpc import CHANNEL_OPTIONS, KV_CACHE_ID_METADATA_KEY
+from services.common.security import (
+    add_security_args,
+    aio_channel,
+    read_cluster_secret,
+    secret_metadata,
+    tls_from_args,
+)
 from services.common.scheduler_output import SchedulerOutput
 from services.worker.config import WorkerConfig, WorkerServiceConfig, default_worker_id
 from services.worker.dirty_blocks import DirtyBlockLog
@@ -91,8 +98,8 @@ class WorkerService:
                         self.config.worker.model)
             num_blocks = await asyncio.to_thread(self._load)
             logger.info("event=worker_loaded worker=%s num_blocks=%d", self.config.worker_id, num_blocks)
-            async with grpc.aio.insecure_channel(self.config.scheduler_address,
-                                                 options=CHANNEL_OPTIONS) as channel:
+            async with aio_channel(self.config.scheduler_address, self.config.tls,
+                                   CHANNEL_OPTIONS) as channel:
                 await self._serve(scheduler_pb2_grpc.EngineCoreStub(channel))
         except Exception as e:
             logger.error("event=worker_failed worker=%s error=%r", self.config.worker_id, e)
@@ -139,8 +146,9 @@ class WorkerService:
 
     async def _session(self, stub: scheduler_pb2_grpc.EngineCoreStub) -> bool | None:
         """One WorkerStream. None: leave for good (Drain or stop); else whether it had registered."""
-        call = stub.WorkerStream(metadata=((KV_CACHE_ID_METADATA_KEY, self.kv_cache_id),),
-                                 wait_for_ready=True)
+        metadata = ((KV_CACHE_ID_METADATA_KEY, self.kv_cache_id),
+                    *secret_metadata(self.config.cluster_secret))
+        call = stub.WorkerStream(metadata=metadata, wait_for_ready=True)
         assert self._stop_waiter is not None, "only inside run()"
         # Cancelling a pending read would cancel the whole call, so on stop()
         # the read stays pending and _close finishes it after half-closing.
@@ -293,6 +301,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerServiceConfig, argp
     p.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=d.cudagraph_capture_sizes)
     p.add_argument("--max-cudagraph-capture-size", type=int, default=d.max_cudagraph_capture_size)
     p.add_argument("--log-level", default="INFO")
+    add_security_args(p)
     args = p.parse_args(argv)
     thinking = None
     if args.think_start_token_ids or args.think_end_token_ids:
@@ -322,6 +331,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerServiceConfig, argp
         health_host=args.health_host,
         health_port=args.health_port,
         connect_timeout_s=args.connect_timeout_s,
+        tls=tls_from_args(args),
+        cluster_secret=read_cluster_secret(args.cluster_secret_file),
     )
     return config, args
 

@@ -17,6 +17,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvmesh.client import Client
 from kvmesh.healthcheck import check_health
+from kvmesh.v1 import api_pb2, scheduler_pb2_grpc
+from services.common.security import secret_metadata
 from tests.e2e.helpers import GREEDY, all_blocks_free, tiny_cluster_config, wait_for
 
 MAX_NUM_WAITING = 4
@@ -58,6 +60,17 @@ def test_every_frontend_is_serving_and_lists_generation(cluster):
         assert "kvmesh.v1.Generation" in reflection_services(address)
     assert check_health(cluster.scheduler_address) == "SERVING"
     assert all(check_health(w.health_address) == "SERVING" for w in cluster.workers)
+
+
+def test_the_internal_plane_needs_the_clusters_own_secret(cluster):
+    with grpc.insecure_channel(cluster.scheduler_address) as channel:
+        get_stats = scheduler_pb2_grpc.EngineCoreStub(channel).GetStats
+        with pytest.raises(grpc.RpcError) as excinfo:
+            get_stats(api_pb2.GetStatsRequest(), timeout=10)
+        assert excinfo.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        stats = get_stats(api_pb2.GetStatsRequest(), timeout=10,
+                          metadata=secret_metadata(cluster.cluster_secret))
+    assert len(stats.workers) == 2
 
 
 def test_delta_chunks_concatenate_to_the_final_text_on_both_frontends(clients):
