@@ -155,6 +155,7 @@ def engine_core_request_to_proto(r: EngineCoreRequest) -> pb.EngineCoreRequest:
         arrival_time=r.arrival_time,
         priority=r.priority,
         client_index=r.client_index,
+        output_token_ids=r.output_token_ids,
     )
     if r.eos_token_id is not None:
         msg.eos_token_id = r.eos_token_id
@@ -173,6 +174,7 @@ def engine_core_request_from_proto(msg: pb.EngineCoreRequest) -> EngineCoreReque
         priority=msg.priority,
         cache_salt=msg.cache_salt if msg.HasField("cache_salt") else None,
         client_index=msg.client_index,
+        output_token_ids=list(msg.output_token_ids),
     )
 
 

@@ -51,6 +51,9 @@ class EngineCoreRequest:
     priority: int = 0  # lower runs first under the priority policy
     cache_salt: str | None = None
     client_index: int = 0
+    # Generated before this submission (resubmitted after a scheduler
+    # restart): the engine recomputes them and continues after them.
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

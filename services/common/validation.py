@@ -211,9 +211,10 @@ def validate_engine_core_request(
     """What the frontend guarantees about an EngineCoreRequest, checked again by the engine core.
 
     Raises ValidationError for a bad request id or cache salt, an empty prompt,
-    a token id outside [0, vocab_size) (prompt, EOS, stop ids, logit bias,
-    allowed ids), n other than 1 (the frontend fans n > 1 out), an unset
-    max_tokens (the frontend resolves it) or any sampling parameter out of range.
+    a token id outside [0, vocab_size) (prompt, EOS, outputs so far, stop ids,
+    logit bias, allowed ids), n other than 1 (the frontend fans n > 1 out), an
+    unset max_tokens (the frontend resolves it), at least max_tokens outputs
+    so far or any sampling parameter out of range.
     """
     check_string_length("request_id", request.request_id, MAX_INTERNAL_REQUEST_ID_CHARS,
                         allow_empty=False)
@@ -229,3 +230,7 @@ def validate_engine_core_request(
         raise _fail("n", "1 at the engine core (the frontend fans n > 1 out)", params.n)
     if params.max_tokens is None:
         raise ValidationError("max_tokens", "max_tokens must be set at the engine core")
+    check_token_ids("output_token_ids", request.output_token_ids, vocab_size)
+    if len(request.output_token_ids) >= params.max_tokens:
+        raise _fail("output_token_ids", f"fewer than max_tokens ({params.max_tokens}) ids",
+                    len(request.output_token_ids))

@@ -83,15 +83,26 @@ class AsyncLLM:
     """Adds requests, streams their outputs, aborts them when the caller leaves.
 
     Build with ``AsyncLLM(input_processor, output_processor)``, then
-    ``attach(engine_core)`` a client whose callbacks are ``handle_outputs``
-    and ``handle_disconnect``.
+    ``attach(engine_core)`` a client whose callbacks are ``handle_outputs``,
+    ``handle_connect`` and ``handle_disconnect``.
+
+    When the scheduler stream breaks (the scheduler restarted), requests in
+    flight are kept, and requests that arrive are accepted, for
+    ``resubmit_grace_s``: once a stream is back, each one is sent again with
+    the tokens it has so far, which the engine recomputes before it goes on,
+    so the client's stream just continues. After the grace period they fail
+    with UNAVAILABLE.
     """
 
-    def __init__(self, input_processor: InputProcessor, output_processor: OutputProcessor) -> None:
+    def __init__(self, input_processor: InputProcessor, output_processor: OutputProcessor,
+                 resubmit_grace_s: float = 30.0) -> None:
         self.input_processor = input_processor
         self.output_processor = output_processor
+        self.resubmit_grace_s = resubmit_grace_s
         self.engine_core: EngineCoreClient | None = None
         self._collectors: dict[str, RequestOutputCollector] = {}
+        # Set while the stream is down within the grace period: fails everything at its end.
+        self._grace_timer: asyncio.TimerHandle | None = None
 
     def attach(self, engine_core: EngineCoreClient) -> None:
         self.engine_core = engine_core
@@ -158,6 +169,8 @@ class AsyncLLM:
         return key, children
 
     def _send(self, children: list[EngineCoreRequest]) -> None:
+        if self._grace_timer is not None:
+            return  # the stream is coming back: handle_connect sends them
         try:
             if self.engine_core is None:
                 raise EngineUnavailableError("the frontend is not connected to a scheduler yet")
@@ -199,7 +212,26 @@ class AsyncLLM:
                 self._log_finished(key, request_output)
 
     def handle_disconnect(self, reason: str) -> None:
-        """The stream broke: every call in flight fails with UNAVAILABLE."""
+        """The stream broke (the scheduler dropped every request it carried): keep
+        them for ``resubmit_grace_s``, then fail what is left with UNAVAILABLE."""
+        if self._grace_timer is None:
+            self._grace_timer = asyncio.get_running_loop().call_later(
+                self.resubmit_grace_s, self._fail_all, reason)
+
+    def handle_connect(self) -> None:
+        """A stream is up: sends again every request the broken one carried, and
+        those that arrived meanwhile, with their outputs so far."""
+        if self._grace_timer is None:
+            return
+        self._grace_timer.cancel()
+        self._grace_timer = None
+        requests = self.output_processor.requests_to_resubmit()
+        for request in requests:
+            self.engine_core.add_request(request)
+        logger.info("event=requests_resubmitted num_requests=%d", len(requests))
+
+    def _fail_all(self, reason: str) -> None:
+        self._grace_timer = None
         for key in list(self._collectors):
             self.output_processor.abort_requests([key])
             self._collectors.pop(key).put(RequestFailedError(

@@ -22,7 +22,8 @@ class FrontendServiceConfig:
     when they use another). ``port`` 0 picks a free port. ``tls`` serves the
     public API over TLS (its certificate and key) and authenticates the
     frontend to the scheduler (the same certificate, checked against its CA);
-    ``cluster_secret`` goes with every scheduler call.
+    ``cluster_secret`` goes with every scheduler call. ``resubmit_grace_s``
+    is how long requests wait for a restarted scheduler (see AsyncLLM).
     """
 
     host: str = "127.0.0.1"
@@ -32,6 +33,7 @@ class FrontendServiceConfig:
     max_model_len: int | None = None
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     stream_interval: int = 1
+    resubmit_grace_s: float = 30.0
     tls: TlsConfig | None = None
     cluster_secret: str | None = None
 
@@ -44,6 +46,8 @@ class FrontendServiceConfig:
             raise ValueError(f"max_logprobs is {self.max_logprobs}, must be >= 0")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval is {self.stream_interval}, must be >= 1")
+        if self.resubmit_grace_s < 0:
+            raise ValueError(f"resubmit_grace_s is {self.resubmit_grace_s}, must be >= 0")
 
 
 @dataclass(slots=True, frozen=True)

@@ -8,6 +8,7 @@ comes back in ``reqs_to_abort`` for the caller to abort there.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -38,6 +39,7 @@ class RequestState:
         request_index: int = 0,
         stream_interval: int = 1,
     ) -> None:
+        self.request = request
         self.request_id = request.request_id
         self.external_req_id = external_req_id
         self.prompt = prompt
@@ -240,6 +242,15 @@ class OutputProcessor:
                 self._finish_request(state)
                 aborted.append(request_id)
         return aborted
+
+    def requests_to_resubmit(self) -> list[EngineCoreRequest]:
+        """Every unfinished engine request with the output tokens it has so far,
+        to send to a scheduler that does not know them (after a restart)."""
+        return [
+            dataclasses.replace(state.request,
+                                output_token_ids=list(state.detokenizer.output_token_ids))
+            for state in self.request_states.values()
+        ]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)

@@ -185,7 +185,7 @@ class FrontendServer:
         self.engine_core = EngineCoreClient(
             self.config.scheduler_address,
             engine.handle_outputs,
-            on_connect=lambda: self._post_health(True),
+            on_connect=lambda: self._on_connect(engine),
             on_disconnect=lambda reason: self._on_disconnect(engine, reason),
             tls=self.config.tls,
             cluster_secret=self.config.cluster_secret,
@@ -196,6 +196,10 @@ class FrontendServer:
         logger.info("event=frontend_loaded model=%s max_model_len=%d vocab_size=%d scheduler=%s",
                     model_info.name, model_info.max_model_len, model_info.vocab_size,
                     self.config.scheduler_address)
+
+    def _on_connect(self, engine: AsyncLLM) -> None:
+        self._post_health(True)
+        engine.handle_connect()
 
     def _on_disconnect(self, engine: AsyncLLM, reason: str) -> None:
         self._post_health(False)
@@ -208,7 +212,7 @@ class FrontendServer:
         input_processor = InputProcessor(tokenizer, info.max_model_len, info.vocab_size,
                                          info.eos_token_ids, self.config.max_logprobs)
         output_processor = OutputProcessor(tokenizer, self.config.stream_interval)
-        return AsyncLLM(input_processor, output_processor), info
+        return AsyncLLM(input_processor, output_processor, self.config.resubmit_grace_s), info
 
     async def stop(self, grace_s: float | None = 5.0) -> None:
         """NOT_SERVING, lets streams finish for ``grace_s``, then closes the scheduler stream."""
@@ -239,12 +243,15 @@ def parse_args(argv: list[str] | None = None) -> FrontendServiceConfig:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS)
     p.add_argument("--stream-interval", type=int, default=1)
+    p.add_argument("--resubmit-grace-s", type=float, default=30.0,
+                   help="how long requests wait for a restarted scheduler before failing")
     add_security_args(p)
     args = p.parse_args(argv)
     return FrontendServiceConfig(
         host=args.host, port=args.port, scheduler_address=args.scheduler_address,
         model=args.model, max_model_len=args.max_model_len, max_logprobs=args.max_logprobs,
-        stream_interval=args.stream_interval, tls=tls_from_args(args),
+        stream_interval=args.stream_interval, resubmit_grace_s=args.resubmit_grace_s,
+        tls=tls_from_args(args),
         cluster_secret=read_cluster_secret(args.cluster_secret_file),
     )
 

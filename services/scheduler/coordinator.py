@@ -140,12 +140,17 @@ class Coordinator:
         if self.draining or not self.sessions:
             why = "the scheduler is shutting down" if self.draining else "no worker is registered"
             self._refuse(client, req_id, grpc.StatusCode.UNAVAILABLE, why)
-        elif req_id in self.placements:
+        elif req_id in client.request_ids:
             self._refuse(client, req_id, grpc.StatusCode.INVALID_ARGUMENT,
                          f"request id {req_id!r} is already in flight")
         elif (error := self._validate(request)) is not None:
             self._refuse(client, req_id, grpc.StatusCode.INVALID_ARGUMENT, error)
         else:
+            if req_id in self.placements:
+                # Its frontend resubmits over a new stream before this scheduler
+                # noticed the old one break: the new stream takes it over.
+                logger.info("event=request_taken_over request_id=%s", req_id)
+                self.abort_requests([req_id])
             self._place(client, req_id, lambda hasher: Request.from_engine_core_request(request, hasher))
 
     def _validate(self, request: EngineCoreRequest) -> str | None:
@@ -348,11 +353,6 @@ class Coordinator:
 
 
 def _requeued(old: Request) -> RequestFactory:
-    """A fresh Request from a lost worker's one: same prompt, outputs so far kept.
-
-    The new worker recomputes prompt + outputs and continues; ``max_tokens``
-    and ``min_tokens`` keep counting the kept outputs, so the client sees one
-    uninterrupted stream.
-    """
-
-    return old.copy_for_recompute
+    """A fresh Request from a lost worker's one: same prompt, outputs so far kept,
+    so the client sees one uninterrupted stream."""
+    return lambda hasher: Request.from_engine_core_request(old, hasher)

@@ -95,9 +95,14 @@ class Request:
     def from_engine_core_request(
         cls, req: EngineCoreRequest | Request, block_hasher: BlockHasher | None = None
     ) -> Request:
-        """A new WAITING request with ``req``'s prompt and parameters (a Request
-        has the same attribute names, so it can be the source too)."""
-        return cls(
+        """A new WAITING request with ``req``'s prompt, parameters and outputs so far
+        (a Request has the same attribute names, so it can be the source too).
+
+        Outputs so far come from a lost worker (failover) or a frontend that
+        resubmits after a scheduler restart: the worker recomputes every token;
+        ``max_tokens`` and ``min_tokens`` keep counting the outputs produced.
+        """
+        request = cls(
             req.request_id,
             req.prompt_token_ids,
             req.sampling_params,
@@ -108,17 +113,8 @@ class Request:
             client_index=req.client_index,
             block_hasher=block_hasher,
         )
-
-    def copy_for_recompute(self, block_hasher: BlockHasher | None = None) -> Request:
-        """A fresh request with this one's prompt, parameters and outputs so far.
-
-        Used to re-place a request whose worker was lost: the new worker
-        recomputes every token; ``max_tokens`` and ``min_tokens`` keep counting
-        the outputs already produced.
-        """
-        request = Request.from_engine_core_request(self, block_hasher)
-        if self.output_token_ids:
-            request.append_output_token_ids(list(self.output_token_ids))
+        if req.output_token_ids:
+            request.append_output_token_ids(list(req.output_token_ids))
         return request
 
     @property

@@ -361,15 +361,16 @@ def test_no_worker_is_unavailable(loop, model_dir):
     assert "no worker is registered" in error.details()
 
 
-def test_scheduler_stream_reconnects_and_in_flight_requests_fail_unavailable(loop, model_dir):
+def test_scheduler_restart_loses_nothing_greedy_and_seeded(loop, model_dir):
     port = free_port()
+    seeded = dict(temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
 
     async def scenario() -> dict[str, Any]:
         seen: dict[str, Any] = {}
         frontend = await serve_frontend(frontend_config(model_dir, f"127.0.0.1:{port}"))
-        client = Client(frontend.address, timeout_s=30)
+        client = Client(frontend.address, timeout_s=60)
         try:
-            # No scheduler yet: NOT_SERVING, and requests fail fast.
+            # No scheduler yet (never connected): NOT_SERVING, and requests fail fast.
             seen["health_before"] = await asyncio.to_thread(check_health, frontend.address)
             seen["before"] = await asyncio.to_thread(error_of, lambda: list(client.generate("hi")))
             scheduler = await start_scheduler(port=port)
@@ -377,22 +378,24 @@ def test_scheduler_stream_reconnects_and_in_flight_requests_fail_unavailable(loo
             await wait_for_workers(scheduler.address, ["w1"])
             await frontend.engine_core.wait_connected(10)
             seen["health_connected"] = await asyncio.to_thread(check_health, frontend.address)
-            stream = client.generate("Count with me", max_tokens=240, **GREEDY)
-            await asyncio.to_thread(next, stream)
-            # The scheduler goes away with the request in flight.
+            for name, params in (("greedy", GREEDY), ("seeded", seeded)):
+                seen[f"{name}_uninterrupted"] = await asyncio.to_thread(
+                    final, client, "Count with me", max_tokens=120, **params)
+            streams = {name: client.generate("Count with me", max_tokens=120, **params)
+                       for name, params in (("greedy", GREEDY), ("seeded", seeded))}
+            chunks = {name: [await asyncio.to_thread(next, stream)]
+                      for name, stream in streams.items()}
+            # The scheduler restarts with both requests in flight; the worker
+            # dials the new one, the frontend resubmits what it holds.
             await scheduler.stop(0.0, drain_workers=False)
-            seen["in_flight"] = await asyncio.to_thread(error_of, lambda: list(stream))
-            await worker.kill()
             await asyncio.sleep(0.3)
             seen["health_lost"] = await asyncio.to_thread(check_health, frontend.address)
-            # A new scheduler on the same address: the frontend dials it again.
             scheduler = await start_scheduler(port=port)
-            worker = start_worker(scheduler.address, model_dir, "w2")
             await frontend.engine_core.wait_connected(10)
             seen["health_again"] = await asyncio.to_thread(check_health, frontend.address)
-            await wait_for_workers(scheduler.address, ["w2"])
-            response = await asyncio.to_thread(final, client, "hi", max_tokens=3, **GREEDY)
-            seen["tokens_after"] = len(response.outputs[0].token_ids)
+            for name, stream in streams.items():
+                chunks[name] += await asyncio.to_thread(list, stream)
+            seen["chunks"] = chunks
             await scheduler.stop(1.0)
             await asyncio.wait_for(worker.task, 10)
         finally:
@@ -400,11 +403,45 @@ def test_scheduler_stream_reconnects_and_in_flight_requests_fail_unavailable(loo
             await frontend.stop(0.5)
         return seen
 
-    seen = loop.run(scenario(), timeout_s=90)
+    seen = loop.run(scenario(), timeout_s=120)
     assert seen["health_before"] == "NOT_SERVING"
     assert seen["before"].code() == grpc.StatusCode.UNAVAILABLE
     assert seen["health_connected"] == "SERVING"
-    assert seen["in_flight"].code() == grpc.StatusCode.UNAVAILABLE
     assert seen["health_lost"] == "NOT_SERVING"
     assert seen["health_again"] == "SERVING"
-    assert seen["tokens_after"] == 3
+    for name in ("greedy", "seeded"):
+        chunks = seen["chunks"][name]
+        expected = seen[f"{name}_uninterrupted"].outputs[0]
+        assert [t for c in chunks for t in c.outputs[0].token_ids] == list(expected.token_ids)
+        assert "".join(c.outputs[0].text for c in chunks) == expected.text
+        assert chunks[-1].finished and len(expected.token_ids) == 120
+
+
+def test_requests_fail_unavailable_when_no_scheduler_returns_in_the_grace_period(loop, model_dir):
+    port = free_port()
+
+    async def scenario() -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        config = frontend_config(model_dir, f"127.0.0.1:{port}", resubmit_grace_s=1.0)
+        frontend = await serve_frontend(config)
+        client = Client(frontend.address, timeout_s=30)
+        try:
+            scheduler = await start_scheduler(port=port)
+            worker = start_worker(scheduler.address, model_dir, "w1")
+            await wait_for_workers(scheduler.address, ["w1"])
+            await frontend.engine_core.wait_connected(10)
+            stream = client.generate("Count with me", max_tokens=240, **GREEDY)
+            await asyncio.to_thread(next, stream)
+            await scheduler.stop(0.0, drain_workers=False)
+            await worker.kill()
+            seen["in_flight"] = await asyncio.to_thread(error_of, lambda: list(stream))
+            seen["during"] = await asyncio.to_thread(error_of, lambda: list(client.generate("hi")))
+        finally:
+            client.close()
+            await frontend.stop(0.5)
+        return seen
+
+    seen = loop.run(scenario(), timeout_s=60)
+    assert seen["in_flight"].code() == grpc.StatusCode.UNAVAILABLE
+    assert "lost the scheduler stream" in seen["in_flight"].details()
+    assert seen["during"].code() == grpc.StatusCode.UNAVAILABLE
