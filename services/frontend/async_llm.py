@@ -83,15 +83,16 @@ class AsyncLLM:
     """Adds requests, streams their outputs, aborts them when the caller leaves.
 
     Build with ``AsyncLLM(input_processor, output_processor)``, then
-    ``attach(engine_core)`` a client whose callbacks are ``handle_outputs``,
-    ``handle_connect`` and ``handle_disconnect``.
+    ``attach(engine_core)`` a client whose callbacks are ``handle_outputs``
+    and ``handle_disconnect``; ``handle_cluster_ready`` when the cluster can
+    serve again.
 
     When the scheduler stream breaks (the scheduler restarted), requests in
     flight are kept, and requests that arrive are accepted, for
-    ``resubmit_grace_s``: once a stream is back, each one is sent again with
-    the tokens it has so far, which the engine recomputes before it goes on,
-    so the client's stream just continues. After the grace period they fail
-    with UNAVAILABLE.
+    ``resubmit_grace_s``: once a stream is back and the scheduler has a
+    worker again, each one is sent again with the tokens it has so far, which
+    the engine recomputes before it goes on, so the client's stream just
+    continues. After the grace period they fail with UNAVAILABLE.
     """
 
     def __init__(self, input_processor: InputProcessor, output_processor: OutputProcessor,
@@ -218,9 +219,10 @@ class AsyncLLM:
             self._grace_timer = asyncio.get_running_loop().call_later(
                 self.resubmit_grace_s, self._fail_all, reason)
 
-    def handle_connect(self) -> None:
-        """A stream is up: sends again every request the broken one carried, and
-        those that arrived meanwhile, with their outputs so far."""
+    def handle_cluster_ready(self) -> None:
+        """The stream is up and the scheduler has a worker: sends again every request
+        the broken stream carried, and those that arrived meanwhile, with their
+        outputs so far."""
         if self._grace_timer is None:
             return
         self._grace_timer.cancel()

@@ -96,9 +96,9 @@ class EngineCoreClient:
         if request_ids and self.connected:
             self._send(abort_message(request_ids))
 
-    async def get_stats(self) -> api_pb2.ClusterStats:
+    async def get_stats(self, timeout_s: float = _STATS_TIMEOUT_S) -> api_pb2.ClusterStats:
         """The scheduler's GetStats (raises grpc.aio.AioRpcError on failure)."""
-        return await self._stub.GetStats(api_pb2.GetStatsRequest(), timeout=_STATS_TIMEOUT_S,
+        return await self._stub.GetStats(api_pb2.GetStatsRequest(), timeout=timeout_s,
                                          metadata=self._metadata)
 
     async def close(self) -> None:

@@ -1,9 +1,10 @@
 """The frontend gRPC service: the public ``kvmesh.v1.Generation`` API.
 
 Start-up order: listen at once with health NOT_SERVING, load the tokenizer,
-open the one FrontendStream to the scheduler, then report SERVING. Health
-goes back to NOT_SERVING while the scheduler stream is down and while
-draining. Status codes: INVALID_ARGUMENT for a bad request (the message
+open the one FrontendStream to the scheduler, then report SERVING once the
+scheduler answers and has a worker. Health is NOT_SERVING while the scheduler
+stream is down, while the scheduler does not answer or has no worker, and
+while draining. Status codes: INVALID_ARGUMENT for a bad request (the message
 names the field and its allowed range), UNAVAILABLE when no scheduler or
 worker can serve, RESOURCE_EXHAUSTED when the scheduler's queue is full.
 
@@ -45,6 +46,7 @@ from services.common.validation import DEFAULT_MAX_LOGPROBS, ValidationError, ch
 logger = logging.getLogger(__name__)
 
 GENERATION_SERVICE = api_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+_HEALTH_CHECK_INTERVAL_S = 1.0
 class GenerationServicer(api_pb2_grpc.GenerationServicer):
     """The public API over an AsyncLLM; answers UNAVAILABLE until ``ready``."""
 
@@ -141,6 +143,7 @@ class FrontendServer:
         self.servicer = GenerationServicer()
         self.engine_core: EngineCoreClient | None = None
         self._health_task: asyncio.Task | None = None
+        self._health_poke = asyncio.Event()
         api_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -162,16 +165,34 @@ class FrontendServer:
         for service in ("", GENERATION_SERVICE):
             await self.health.set(service, status)
 
-    def _post_health(self, serving: bool) -> None:
-        """Sets health from a sync callback; updates apply in the order posted."""
-        previous = self._health_task
+    async def _watch_health(self, engine: AsyncLLM) -> None:
+        """SERVING only while the scheduler stream is up, the scheduler answers
+        GetStats and at least one worker is registered; checked every second and
+        at once when the stream goes up or down (``_health_poke``). Turning
+        SERVING is also when requests kept across a scheduler restart go out."""
+        serving = False
+        while True:
+            self._health_poke.clear()
+            can_serve = await self._cluster_can_serve()
+            if can_serve != serving:
+                serving = can_serve
+                await self._set_serving(serving)
+                logger.info("event=frontend_health serving=%s", serving)
+            if serving:
+                engine.handle_cluster_ready()  # a no-op unless requests wait for it
+            try:
+                await asyncio.wait_for(self._health_poke.wait(), _HEALTH_CHECK_INTERVAL_S)
+            except TimeoutError:
+                pass
 
-        async def update() -> None:
-            if previous is not None:
-                await previous
-            await self._set_serving(serving)
-
-        self._health_task = asyncio.get_running_loop().create_task(update())
+    async def _cluster_can_serve(self) -> bool:
+        if self.engine_core is None or not self.engine_core.connected:
+            return False
+        try:
+            stats = await self.engine_core.get_stats(timeout_s=_HEALTH_CHECK_INTERVAL_S * 2)
+        except grpc.aio.AioRpcError:
+            return False  # a frozen or failing scheduler
+        return len(stats.workers) > 0
 
     async def start(self) -> None:
         """Listens (NOT_SERVING), loads the tokenizer, starts the scheduler stream.
@@ -185,7 +206,7 @@ class FrontendServer:
         self.engine_core = EngineCoreClient(
             self.config.scheduler_address,
             engine.handle_outputs,
-            on_connect=lambda: self._on_connect(engine),
+            on_connect=self._on_connect,
             on_disconnect=lambda reason: self._on_disconnect(engine, reason),
             tls=self.config.tls,
             cluster_secret=self.config.cluster_secret,
@@ -193,16 +214,17 @@ class FrontendServer:
         engine.attach(self.engine_core)
         self.servicer.ready(engine, model_info, self.engine_core)
         self.engine_core.start()
+        self._health_task = asyncio.create_task(self._watch_health(engine),
+                                                name="frontend-health")
         logger.info("event=frontend_loaded model=%s max_model_len=%d vocab_size=%d scheduler=%s",
                     model_info.name, model_info.max_model_len, model_info.vocab_size,
                     self.config.scheduler_address)
 
-    def _on_connect(self, engine: AsyncLLM) -> None:
-        self._post_health(True)
-        engine.handle_connect()
+    def _on_connect(self) -> None:
+        self._health_poke.set()
 
     def _on_disconnect(self, engine: AsyncLLM, reason: str) -> None:
-        self._post_health(False)
+        self._health_poke.set()
         engine.handle_disconnect(reason)
 
     def _build_engine(self) -> tuple[AsyncLLM, ModelInfo]:
@@ -217,6 +239,8 @@ class FrontendServer:
     async def stop(self, grace_s: float | None = 5.0) -> None:
         """NOT_SERVING, lets streams finish for ``grace_s``, then closes the scheduler stream."""
         await self.health.enter_graceful_shutdown()
+        if self._health_task is not None:
+            self._health_task.cancel()
         await self.server.stop(grace_s)
         if self.engine_core is not None:
             await self.engine_core.close()

@@ -120,6 +120,8 @@ class SchedulerServiceConfig:
     request may ask for (the frontend's bound, checked again here).
     ``tls`` encrypts the server (mutual TLS when it names a CA);
     ``cluster_secret``, when set, is required on every EngineCore call.
+    A worker that does not answer a step within ``worker_step_timeout_s`` is
+    declared lost and its requests are re-placed (a frozen worker).
     ``fault_exit_after_step`` is fault injection for tests, 0 (off) by default:
     the probability that the process exits (code 70) when a worker's answer
     arrives, after the worker computed the step and before it is applied.
@@ -133,6 +135,7 @@ class SchedulerServiceConfig:
     load_weight_tokens: float = 32.0
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     registration_bounds: RegistrationBounds = field(default_factory=RegistrationBounds)
+    worker_step_timeout_s: float = 15.0
     fault_exit_after_step: float = 0.0
     tls: TlsConfig | None = None
     cluster_secret: str | None = None
@@ -143,6 +146,9 @@ class SchedulerServiceConfig:
         if self.load_weight_tokens < 0:
             raise ValueError(f"load_weight_tokens is {self.load_weight_tokens}, must be >= 0")
         _check_at_least("max_logprobs", self.max_logprobs, 0)
+        if self.worker_step_timeout_s <= 0:
+            raise ValueError(f"worker_step_timeout_s is {self.worker_step_timeout_s}, "
+                             "must be > 0")
         if not 0.0 <= self.fault_exit_after_step <= 1.0:
             raise ValueError(f"fault_exit_after_step is {self.fault_exit_after_step}, "
                              "must be in [0, 1]")

@@ -289,7 +289,8 @@ class Coordinator:
         self._next_engine_index += 1
         worker_id = registration.worker_id
         session = WorkerSession(worker_id, engine_index, scheduler, store, self.route_outputs,
-                                registration.vocab_size, self.config.fault_exit_after_step)
+                                registration.vocab_size, self.config.worker_step_timeout_s,
+                                self.config.fault_exit_after_step)
         self.sessions[worker_id] = session
         session.start(on_failure=self._on_session_failure)
         logger.info("event=worker_registered worker=%s engine_index=%d num_blocks=%d "

@@ -129,6 +129,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[SchedulerServiceConfig, a
     p.add_argument("--load-weight-tokens", type=float, default=d.load_weight_tokens)
     p.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
     add_security_args(p)
+    p.add_argument("--worker-step-timeout-s", type=float, default=d.worker_step_timeout_s,
+                   help="a worker that does not answer a step this long is declared lost")
     p.add_argument("--fault-exit-after-step", type=float, default=d.fault_exit_after_step,
                    help="fault injection for tests: probability of exiting (code 70) when "
                         "a worker's answer arrives, before it is applied; default 0 (off)")
@@ -143,6 +145,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[SchedulerServiceConfig, a
         scheduling=SchedulingOptions.from_cli_args(args),
         load_weight_tokens=args.load_weight_tokens,
         max_logprobs=args.max_logprobs,
+        worker_step_timeout_s=args.worker_step_timeout_s,
         fault_exit_after_step=args.fault_exit_after_step,
         tls=tls_from_args(args),
         cluster_secret=read_cluster_secret(args.cluster_secret_file),

@@ -18,6 +18,10 @@ from services.scheduler.scheduler import Scheduler
 from services.scheduler.worker_checks import WorkerProtocolError, check_runner_output
 
 
+class WorkerStepTimeout(RuntimeError):
+    """The worker did not answer a step in time: it is frozen or gone."""
+
+
 # The exit code of the fault-injection hook (SchedulerServiceConfig.fault_exit_after_step).
 FAULT_EXIT_CODE = 70
 
@@ -43,10 +47,11 @@ class WorkerSession:
 
     def __init__(self, worker_id: str, engine_index: int, scheduler: Scheduler,
                  store: KVStore, on_outputs: OutputsCallback, vocab_size: int,
-                 fault_exit_after_step: float = 0.0) -> None:
+                 step_timeout_s: float | None = None, fault_exit_after_step: float = 0.0) -> None:
         self.worker_id = worker_id
         self.engine_index = engine_index
         self.vocab_size = vocab_size
+        self._step_timeout_s = step_timeout_s
         self._fault_exit_after_step = fault_exit_after_step
         self.scheduler = scheduler
         self.store = store
@@ -141,6 +146,8 @@ class WorkerSession:
                 # outside a step (IGNORED) without a round trip to the worker.
                 runner_output = ModelRunnerOutput(step_id=scheduler_output.step_id)
             outputs = scheduler.update_from_output(scheduler_output, runner_output)
+            if self.closed:
+                return  # its requests were re-placed: what it produced is not theirs
             if outputs:
                 self._on_outputs(self, outputs)
             if not scheduler_output.total_num_scheduled_tokens:
@@ -167,6 +174,13 @@ class WorkerSession:
         scheduler_output.durable_step_id = self.store.durable_step_id
         self.outbox.put_nowait(step_message(scheduler_output))
         try:
-            return await future
+            # Not wait_for: it can swallow the cancellation close() sends when the
+            # answer arrives at the same moment, and a closed session must not go on.
+            done, _ = await asyncio.wait((future,), timeout=self._step_timeout_s)
+            if not done:
+                raise WorkerStepTimeout(f"worker {self.worker_id} did not answer step "
+                                        f"{scheduler_output.step_id} within "
+                                        f"{self._step_timeout_s} s")
+            return future.result()
         finally:
             self._pending_step = self._pending_output = None

@@ -129,6 +129,18 @@ def stack(loop, model_dir):
     loop.run(stop())
 
 
+async def health_becomes(address: str, status: str, timeout_s: float = 10.0) -> str:
+    """Polls the frontend's health until it reports ``status``; returns the last seen."""
+    deadline = time.monotonic() + timeout_s
+    seen = ""
+    while time.monotonic() < deadline:
+        seen = await asyncio.to_thread(check_health, address)
+        if seen == status:
+            break
+        await asyncio.sleep(0.1)
+    return seen
+
+
 def final(client: Client, prompt: str | None = None, **kwargs):
     return client.complete(prompt, **kwargs)
 
@@ -356,7 +368,7 @@ def test_no_worker_is_unavailable(loop, model_dir):
             await scheduler.stop(0.5)
 
     error, health = loop.run(scenario())
-    assert health == "SERVING"
+    assert health == "NOT_SERVING"  # connected, but nothing can serve
     assert error.code() == grpc.StatusCode.UNAVAILABLE
     assert "no worker is registered" in error.details()
 
@@ -377,7 +389,7 @@ def test_scheduler_restart_loses_nothing_greedy_and_seeded(loop, model_dir):
             worker = start_worker(scheduler.address, model_dir, "w1")
             await wait_for_workers(scheduler.address, ["w1"])
             await frontend.engine_core.wait_connected(10)
-            seen["health_connected"] = await asyncio.to_thread(check_health, frontend.address)
+            seen["health_connected"] = await health_becomes(frontend.address, "SERVING")
             for name, params in (("greedy", GREEDY), ("seeded", seeded)):
                 seen[f"{name}_uninterrupted"] = await asyncio.to_thread(
                     final, client, "Count with me", max_tokens=120, **params)
@@ -388,11 +400,10 @@ def test_scheduler_restart_loses_nothing_greedy_and_seeded(loop, model_dir):
             # The scheduler restarts with both requests in flight; the worker
             # dials the new one, the frontend resubmits what it holds.
             await scheduler.stop(0.0, drain_workers=False)
-            await asyncio.sleep(0.3)
-            seen["health_lost"] = await asyncio.to_thread(check_health, frontend.address)
+            seen["health_lost"] = await health_becomes(frontend.address, "NOT_SERVING")
             scheduler = await start_scheduler(port=port)
             await frontend.engine_core.wait_connected(10)
-            seen["health_again"] = await asyncio.to_thread(check_health, frontend.address)
+            seen["health_again"] = await health_becomes(frontend.address, "SERVING")
             for name, stream in streams.items():
                 chunks[name] += await asyncio.to_thread(list, stream)
             seen["chunks"] = chunks
@@ -427,9 +438,13 @@ def test_requests_fail_unavailable_when_no_scheduler_returns_in_the_grace_period
         client = Client(frontend.address, timeout_s=30)
         try:
             scheduler = await start_scheduler(port=port)
+            await frontend.engine_core.wait_connected(10)
+            # Connected, but no worker to serve: not SERVING.
+            await asyncio.sleep(1.5)
+            seen["health_no_worker"] = await asyncio.to_thread(check_health, frontend.address)
             worker = start_worker(scheduler.address, model_dir, "w1")
             await wait_for_workers(scheduler.address, ["w1"])
-            await frontend.engine_core.wait_connected(10)
+            seen["health_worker"] = await health_becomes(frontend.address, "SERVING")
             stream = client.generate("Count with me", max_tokens=240, **GREEDY)
             await asyncio.to_thread(next, stream)
             await scheduler.stop(0.0, drain_workers=False)
@@ -442,6 +457,7 @@ def test_requests_fail_unavailable_when_no_scheduler_returns_in_the_grace_period
         return seen
 
     seen = loop.run(scenario(), timeout_s=60)
+    assert (seen["health_no_worker"], seen["health_worker"]) == ("NOT_SERVING", "SERVING")
     assert seen["in_flight"].code() == grpc.StatusCode.UNAVAILABLE
     assert "lost the scheduler stream" in seen["in_flight"].details()
     assert seen["during"].code() == grpc.StatusCode.UNAVAILABLE

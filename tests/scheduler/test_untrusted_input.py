@@ -224,3 +224,28 @@ def test_a_lying_worker_is_cut_off_and_its_requests_finish_elsewhere(model_dir):
     client, stats = run(scenario())
     assert dict(client.tokens) == expected
     assert [w.worker_id for w in stats.workers] == ["honest"]
+
+
+def test_a_frozen_worker_is_declared_lost_and_its_requests_finish_elsewhere(model_dir):
+    request = greedy_request("r", [3, 4, 5, 6, 7], 12)
+    expected = reference_tokens(model_dir, [request])
+
+    async def scenario():
+        server = await start_scheduler(worker_step_timeout_s=1.0)
+        frozen = LyingWorker(server.address, str(model_dir), worker_id="frozen")
+        await frozen.register()  # engine index 0: placement prefers it; it never answers
+        honest = start_worker(server.address, model_dir, "honest")
+        await wait_for_workers(server.address, ["frozen", "honest"])
+        client = FrontendClient(server.address)
+        await client.add(request)
+        await client.wait_finished("r")
+        stats = await get_stats(server.address)
+        await client.close()
+        await frozen.close()
+        await server.stop(1.0)
+        await honest.task
+        return client, stats
+
+    client, stats = run(scenario())
+    assert dict(client.tokens) == expected
+    assert [w.worker_id for w in stats.workers] == ["honest"]
