@@ -32,6 +32,7 @@ from services.common.scheduler_output import (
     SchedulerOutput,
 )
 from services.common.stats import SchedulerStats
+from services.common.validation import ValidationError
 
 # ---------------------------------------------------------------- sampling
 
@@ -96,11 +97,20 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         allowed_token_ids=list(msg.allowed_token_ids) or None,
         stop=list(msg.stop),
         include_stop_str_in_output=msg.include_stop_str_in_output,
-        output_kind=RequestOutputKind(msg.output_kind),
+        output_kind=_output_kind(msg.output_kind),
         extra_args=_struct_to_dict(msg.extra_args) if msg.HasField("extra_args") else None,
         **{name: getattr(msg, name) for name in _DEFAULTED_FIELDS if msg.HasField(name)},
         **{name: getattr(msg, name) if msg.HasField(name) else None for name in _NULLABLE_FIELDS},
     )
+
+
+def _output_kind(value: int) -> RequestOutputKind:
+    try:
+        return RequestOutputKind(value)
+    except ValueError:
+        allowed = ", ".join(f"{k.name} ({k.value})" for k in RequestOutputKind)
+        raise ValidationError("output_kind",
+                              f"output_kind must be one of {allowed}, got {value}") from None
 
 
 def _struct_to_dict(struct: struct_pb2.Struct) -> dict[str, Any]:

@@ -8,8 +8,10 @@ to INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields
 
 from services.common.engine import EngineCoreRequest
 from services.common.sampling_params import SamplingParams
@@ -30,6 +32,44 @@ MAX_EXACT_INT = 2**53
 # parsers stop at 100 (the worker's SchedulerOutput wraps extra_args deepest):
 # deeper extra_args would break a stream other requests share.
 MAX_EXTRA_ARGS_DEPTH = 16
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestLimits:
+    """Bounds a frontend puts on one request, checked before any expensive work.
+
+    Each keeps one request from stalling the others: ``max_n`` sequences,
+    ``max_stop`` stop strings of at most ``max_stop_chars`` characters,
+    ``max_chat_messages`` messages, and a prompt of at most
+    ``max_prompt_bytes`` bytes of text (None: as many as ``max_model_len``
+    tokens can hold, from the tokenizer's longest token), checked before it
+    is tokenized. Request ids and cache salts are bounded by
+    MAX_CLIENT_REQUEST_ID_CHARS and MAX_CACHE_SALT_CHARS.
+    """
+
+    max_n: int = 128
+    max_stop: int = 64
+    max_stop_chars: int = 1024
+    max_chat_messages: int = 1024
+    max_prompt_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{f.name} is {value!r}, must be an integer >= 1")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        for f in fields(RequestLimits):
+            parser.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> RequestLimits:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 class ValidationError(ValueError):
@@ -61,14 +101,15 @@ def _check_int(
 
 
 def validate_sampling_params(
-    params: SamplingParams, *, vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    params: SamplingParams, *, vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    limits: RequestLimits = RequestLimits(),
 ) -> None:
     """Raises ValidationError for the first parameter outside its range.
 
     ``max_tokens`` may be None here (the input processor fills it from the
     prompt length); when set, ``min_tokens`` must not exceed it.
     """
-    _check_int("n", params.n, 1, ">= 1")
+    _check_int("n", params.n, 1, f"in [1, {limits.max_n}]", limits.max_n)
     _check_float("temperature", params.temperature, lambda v: 0 <= v < math.inf, ">= 0")
     _check_float("top_p", params.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
     _check_float("min_p", params.min_p, lambda v: 0 <= v <= 1, "in [0, 1]")
@@ -90,7 +131,7 @@ def validate_sampling_params(
         _check_int("thinking_token_budget", params.thinking_token_budget, 0, ">= 0")
     if params.seed is not None:
         _check_int("seed", params.seed, INT64_MIN, f"in [{INT64_MIN}, {INT64_MAX}]", INT64_MAX)
-    _validate_stop(params)
+    _validate_stop(params, limits)
     _validate_token_ids(params, vocab_size)
     if params.extra_args is not None:
         if not isinstance(params.extra_args, dict):
@@ -98,11 +139,16 @@ def validate_sampling_params(
         _check_json_like("extra_args", params.extra_args, depth=1)
 
 
-def _validate_stop(params: SamplingParams) -> None:
+def _validate_stop(params: SamplingParams, limits: RequestLimits) -> None:
     if not isinstance(params.stop, list) or not all(isinstance(s, str) for s in params.stop):
         raise _fail("stop", "a list of strings", params.stop)
-    if any(s == "" for s in params.stop):
-        raise _fail("stop", "non-empty strings", params.stop)
+    if len(params.stop) > limits.max_stop:
+        raise ValidationError("stop", f"stop must hold at most {limits.max_stop} strings, "
+                                      f"got {len(params.stop)}")
+    for stop in params.stop:
+        if not 1 <= len(stop) <= limits.max_stop_chars:
+            raise ValidationError("stop", f"stop strings must have 1 to {limits.max_stop_chars} "
+                                          f"characters, got {len(stop)}")
     if params.stop and not params.detokenize:
         raise ValidationError("stop", "stop strings need detokenize=True")
 

@@ -22,6 +22,11 @@ import grpc
 
 from services.common.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from services.common.sampling_params import SamplingParams
+from services.common.validation import (
+    MAX_CACHE_SALT_CHARS,
+    MAX_CLIENT_REQUEST_ID_CHARS,
+    check_string_length,
+)
 from services.frontend.engine_core_client import EngineCoreClient, EngineUnavailableError
 from services.frontend.input_processor import InputProcessor, PromptType
 from services.frontend.output_processor import OutputProcessor
@@ -126,9 +131,15 @@ class AsyncLLM:
         Raises ValidationError before anything is sent, RequestFailedError when
         the engine refuses or loses the request. Leaving the iteration early
         (the caller was cancelled, or closed the generator) aborts the request
-        in the engine, which frees its KV blocks.
+        in the engine, which frees its KV blocks. The prompt is tokenized on a
+        thread, so a long one never stalls the other streams.
         """
-        key, children = self._add_request(request_id, prompt, params, priority, cache_salt)
+        check_string_length("request_id", request_id, MAX_CLIENT_REQUEST_ID_CHARS,
+                            allow_empty=False)
+        if cache_salt is not None:
+            check_string_length("cache_salt", cache_salt, MAX_CACHE_SALT_CHARS, allow_empty=True)
+        rendered = await asyncio.to_thread(self.input_processor.render_prompt, prompt)
+        key, children = self._add_request(request_id, rendered, params, priority, cache_salt)
         collector = self._collectors[key]
         try:
             self._send(children)
@@ -150,12 +161,12 @@ class AsyncLLM:
     def _add_request(
         self,
         request_id: str,
-        prompt: PromptType,
+        rendered: tuple[str | None, list[int]],
         params: SamplingParams,
         priority: int,
         cache_salt: str | None,
     ) -> tuple[str, list[EngineCoreRequest]]:
-        prompt_text, prompt_token_ids = self.input_processor.render_prompt(prompt)
+        prompt_text, prompt_token_ids = rendered
         request = self.input_processor.process_inputs(
             request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt
         )

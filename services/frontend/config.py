@@ -4,13 +4,13 @@ facts it validates requests against (`ModelInfo`)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.max_model_len import max_model_len_from_hf_config
 from services.common.model_files import DEFAULT_MODEL_NAME
 from services.common.security import TlsConfig
-from services.common.validation import DEFAULT_MAX_LOGPROBS
+from services.common.validation import DEFAULT_MAX_LOGPROBS, RequestLimits
 
 
 @dataclass(slots=True, kw_only=True)
@@ -23,7 +23,8 @@ class FrontendServiceConfig:
     public API over TLS (its certificate and key) and authenticates the
     frontend to the scheduler (the same certificate, checked against its CA);
     ``cluster_secret`` goes with every scheduler call. ``resubmit_grace_s``
-    is how long requests wait for a restarted scheduler (see AsyncLLM).
+    is how long requests wait for a restarted scheduler (see AsyncLLM);
+    ``request_limits`` bound each request before it is tokenized.
     """
 
     host: str = "127.0.0.1"
@@ -34,6 +35,7 @@ class FrontendServiceConfig:
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     stream_interval: int = 1
     resubmit_grace_s: float = 30.0
+    request_limits: RequestLimits = field(default_factory=RequestLimits)
     tls: TlsConfig | None = None
     cluster_secret: str | None = None
 

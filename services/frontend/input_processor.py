@@ -11,14 +11,16 @@ from transformers import PreTrainedTokenizerBase
 
 from services.common.engine import EngineCoreRequest
 from services.common.sampling_params import SamplingParams
-from services.frontend.tokenizer import ChatMessage, encode_chat, encode_prompt
 from services.common.validation import (
+    CHAT_ROLES,
     DEFAULT_MAX_LOGPROBS,
+    RequestLimits,
     ValidationError,
     resolve_max_tokens,
     validate_prompt,
     validate_sampling_params,
 )
+from services.frontend.tokenizer import ChatMessage, encode_chat, encode_prompt
 
 # A prompt: text, token ids, or chat messages ({"role", "content"} dicts).
 PromptType = str | Sequence[int] | Sequence[ChatMessage]
@@ -41,7 +43,8 @@ class InputProcessor:
 
     The caller's SamplingParams are never modified: the request carries a
     copy with ``max_tokens`` resolved against ``max_model_len`` and the
-    model's extra EOS ids added to ``stop_token_ids``.
+    model's extra EOS ids added to ``stop_token_ids``. ``limits`` bound the
+    request before anything expensive (tokenization, fan-out) happens.
     """
 
     def __init__(
@@ -51,27 +54,65 @@ class InputProcessor:
         vocab_size: int,
         eos_token_ids: Sequence[int],
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        limits: RequestLimits = RequestLimits(),
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.max_logprobs = max_logprobs
+        self.limits = limits
 
     def render_prompt(
         self, prompt: PromptType, *, add_generation_prompt: bool = True
     ) -> tuple[str | None, list[int]]:
-        """The prompt's text (None for token ids) and its token ids."""
+        """The prompt's text (None for token ids) and its token ids.
+
+        Checks the size bounds first: a prompt over them is never tokenized.
+        """
+        self.check_prompt_size(prompt)
         if isinstance(prompt, str):
             return prompt, encode_prompt(self.tokenizer, prompt)
         items = list(prompt)
         if items and all(isinstance(item, dict) for item in items):
             return encode_chat(self.tokenizer, items, add_generation_prompt=add_generation_prompt)
         if all(isinstance(item, int) and not isinstance(item, bool) for item in items):
+            if len(items) >= self.max_model_len:
+                raise ValidationError("prompt", f"prompt has {len(items)} tokens, "
+                                                f"max_model_len is {self.max_model_len}")
             return None, items
         raise ValidationError(
             "prompt", "prompt must be a string, a list of token ids or a list of chat messages"
         )
+
+    def check_prompt_size(self, prompt: PromptType) -> None:
+        """ValidationError when text or chat messages exceed ``limits`` (roles too)."""
+        if isinstance(prompt, str):
+            self._check_prompt_bytes(len(prompt.encode()))
+        elif prompt and isinstance(prompt[0], dict):
+            self._check_chat(list(prompt))
+
+    def _check_prompt_bytes(self, num_bytes: int) -> None:
+        limit = self.limits.max_prompt_bytes
+        if limit is not None and num_bytes > limit:
+            raise ValidationError("prompt", f"prompt has {num_bytes} bytes of text, at most "
+                                            f"{limit} fit max_model_len {self.max_model_len}")
+
+    def _check_chat(self, messages: list[ChatMessage]) -> None:
+        limit = self.limits.max_chat_messages
+        if len(messages) > limit:
+            raise ValidationError("messages", f"messages must hold at most {limit} messages, "
+                                              f"got {len(messages)}")
+        num_bytes = 0
+        for message in messages:
+            role, content = message.get("role"), message.get("content")
+            if role not in CHAT_ROLES:
+                raise ValidationError("messages", f"message role must be one of "
+                                                  f"{', '.join(CHAT_ROLES)}, got {role!r}")
+            if not isinstance(content, str):
+                raise ValidationError("messages", "message content must be a string")
+            num_bytes += len(content.encode())
+        self._check_prompt_bytes(num_bytes)
 
     def process_inputs(
         self,
@@ -107,7 +148,8 @@ class InputProcessor:
         params = params.clone()
         if isinstance(params.stop, str):  # accept stop="x" like the OpenAI API
             params.stop = [params.stop]
-        validate_sampling_params(params, vocab_size=self.vocab_size, max_logprobs=self.max_logprobs)
+        validate_sampling_params(params, vocab_size=self.vocab_size,
+                                 max_logprobs=self.max_logprobs, limits=self.limits)
         params.max_tokens = resolve_max_tokens(params, num_prompt_tokens, self.max_model_len)
         if not params.ignore_eos:
             # The scheduler knows one eos_token_id; the others stop like stop tokens.

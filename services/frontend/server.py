@@ -27,21 +27,21 @@ from kvmesh.v1 import api_pb2, api_pb2_grpc
 
 from services.common.model_files import resolve_model_dir
 from services.common.process import configure_logging, wait_for_shutdown_signal
-from services.common.rpc import SERVER_OPTIONS
+from services.common.rpc import SERVER_OPTIONS, DecodeErrorInterceptor
 from services.common.security import add_security_args, bind, read_cluster_secret, tls_from_args
 from services.frontend import api_convert
 from services.frontend.async_llm import AsyncLLM, RequestFailedError
 from services.frontend.config import FrontendServiceConfig, ModelInfo, read_model_info
 from services.frontend.engine_core_client import EngineCoreClient
-from services.frontend.input_processor import InputProcessor
+from services.frontend.input_processor import InputProcessor, PromptType
 from services.frontend.output_processor import OutputProcessor
-from services.frontend.tokenizer import (
-    encode_chat,
-    encode_prompt,
-    load_eos_token_ids,
-    load_tokenizer,
+from services.common.validation import (
+    DEFAULT_MAX_LOGPROBS,
+    RequestLimits,
+    ValidationError,
+    check_token_ids,
 )
-from services.common.validation import DEFAULT_MAX_LOGPROBS, ValidationError, check_token_ids
+from services.frontend.tokenizer import load_eos_token_ids, load_tokenizer, longest_token_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -89,16 +89,10 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
 
     async def Tokenize(self, request: api_pb2.TokenizeRequest, context) -> api_pb2.TokenizeResponse:
         engine = await self._engine(context)
-        tokenizer = engine.input_processor.tokenizer
         try:
             prompt = api_convert.prompt_from_api(request)
-            if isinstance(prompt, str):
-                ids = (encode_prompt(tokenizer, prompt) if request.add_special_tokens
-                       else tokenizer.encode(prompt, add_special_tokens=False))
-            elif prompt and isinstance(prompt[0], dict):
-                ids = encode_chat(tokenizer, prompt)[1]
-            else:
-                raise ValidationError("prompt", "Tokenize takes text or chat messages")
+            ids = await asyncio.to_thread(_tokenize, engine.input_processor, prompt,
+                                          request.add_special_tokens)
         except ValidationError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return api_pb2.TokenizeResponse(token_ids=ids)
@@ -133,12 +127,25 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                                 f"scheduler GetStats failed: {e.code().name}: {e.details()}")
 
 
+def _tokenize(input_processor: InputProcessor, prompt: PromptType,
+              add_special_tokens: bool) -> list[int]:
+    """Tokenize's ids; the prompt's size bounds are checked first (on a thread)."""
+    if isinstance(prompt, str):
+        if not add_special_tokens:
+            input_processor.check_prompt_size(prompt)
+            return input_processor.tokenizer.encode(prompt, add_special_tokens=False)
+    elif not (prompt and isinstance(prompt[0], dict)):
+        raise ValidationError("prompt", "Tokenize takes text or chat messages")
+    return input_processor.render_prompt(prompt)[1]
+
+
 class FrontendServer:
     """A listening frontend; ``start()`` loads the tokenizer and connects."""
 
     def __init__(self, config: FrontendServiceConfig) -> None:
         self.config = config
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.server = grpc.aio.server(options=SERVER_OPTIONS,
+                                      interceptors=[DecodeErrorInterceptor()])
         self.health = health.aio.HealthServicer()
         self.servicer = GenerationServicer()
         self.engine_core: EngineCoreClient | None = None
@@ -231,8 +238,12 @@ class FrontendServer:
         model_dir = resolve_model_dir(self.config.model)
         tokenizer = load_tokenizer(model_dir)
         info = read_model_info(model_dir, self.config, load_eos_token_ids(model_dir, tokenizer))
+        limits = self.config.request_limits
+        if limits.max_prompt_bytes is None:  # what max_model_len tokens can stand for
+            max_prompt_bytes = info.max_model_len * longest_token_bytes(tokenizer)
+            limits = dataclasses.replace(limits, max_prompt_bytes=max_prompt_bytes)
         input_processor = InputProcessor(tokenizer, info.max_model_len, info.vocab_size,
-                                         info.eos_token_ids, self.config.max_logprobs)
+                                         info.eos_token_ids, self.config.max_logprobs, limits)
         output_processor = OutputProcessor(tokenizer, self.config.stream_interval)
         return AsyncLLM(input_processor, output_processor, self.config.resubmit_grace_s), info
 
@@ -269,12 +280,14 @@ def parse_args(argv: list[str] | None = None) -> FrontendServiceConfig:
     p.add_argument("--stream-interval", type=int, default=1)
     p.add_argument("--resubmit-grace-s", type=float, default=30.0,
                    help="how long requests wait for a restarted scheduler before failing")
+    RequestLimits.add_cli_args(p)
     add_security_args(p)
     args = p.parse_args(argv)
     return FrontendServiceConfig(
         host=args.host, port=args.port, scheduler_address=args.scheduler_address,
         model=args.model, max_model_len=args.max_model_len, max_logprobs=args.max_logprobs,
         stream_interval=args.stream_interval, resubmit_grace_s=args.resubmit_grace_s,
+        request_limits=RequestLimits.from_cli_args(args),
         tls=tls_from_args(args),
         cluster_secret=read_cluster_secret(args.cluster_secret_file),
     )

@@ -59,6 +59,15 @@ def tokenizer_adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
     return with_special[:1] == [bos] and without_special[:1] != [bos]
 
 
+def longest_token_bytes(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The most bytes of text one token stands for (decodes the whole vocabulary once).
+
+    A text longer than ``max_model_len`` times this can never fit the model,
+    so it can be refused before it is tokenized.
+    """
+    return max(len(tokenizer.decode([token_id]).encode()) for token_id in range(len(tokenizer)))
+
+
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """Token ids of a text prompt, with the model's special tokens.
 

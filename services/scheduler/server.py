@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.process import configure_logging, wait_for_shutdown_signal
-from services.common.rpc import SERVER_OPTIONS
+from services.common.rpc import SERVER_OPTIONS, DecodeErrorInterceptor
 from services.common.security import (
     ClusterSecretInterceptor,
     TlsConfig,
@@ -47,8 +47,9 @@ class SchedulerServer:
         self.config = config
         self.coordinator = Coordinator(config)
         self.health = health.aio.HealthServicer()
+        # The secret is checked first: an outsider learns nothing from decoding.
         interceptors = ([ClusterSecretInterceptor(config.cluster_secret)]
-                        if config.cluster_secret else [])
+                        if config.cluster_secret else []) + [DecodeErrorInterceptor()]
         self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         scheduler_pb2_grpc.add_EngineCoreServicer_to_server(EngineCoreServicer(self.coordinator), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)

@@ -191,7 +191,7 @@ def test_tokenize_and_detokenize_with_the_real_tokenizer(stack):
     (dict(prompt="hi", top_p=1.5), "top_p must be in (0, 1], got 1.5"),
     (dict(prompt="hi", top_k=-3), "top_k must be -1 or 0 (disabled) or >= 1, got -3"),
     (dict(prompt="hi", logprobs=21), "logprobs must be in [0, 20], got 21"),
-    (dict(prompt="hi", stop=[""]), "stop must be non-empty strings"),
+    (dict(prompt="hi", stop=[""]), "stop strings must have 1 to 1024 characters"),
     (dict(token_ids=[5, 49152]), "prompt must hold token ids in [0, 49152), got 49152"),
     (dict(token_ids=[]), "prompt must not be empty"),
     (dict(prompt="hi", max_tokens=300),
@@ -199,6 +199,17 @@ def test_tokenize_and_detokenize_with_the_real_tokenizer(stack):
     (dict(token_ids=[7] * 300), "prompt has 300 tokens, max_model_len is 256"),
     (dict(prompt="hi", extra_args={"a": [math.nan]}),
      "extra_args['a'][0] must be a finite number, got nan"),
+    # Bounds checked before any expensive work (tokenization, fan-out).
+    (dict(prompt="x" * 8_000_000), "prompt has 8000000 bytes of text, at most"),
+    (dict(prompt="hi", n=4000), "n must be in [1, 128], got 4000"),
+    (dict(prompt="hi", stop=["s"] * 20_000), "stop must hold at most 64 strings, got 20000"),
+    (dict(prompt="hi", stop=["s" * 5000]), "stop strings must have 1 to 1024 characters"),
+    (dict(messages=[{"role": "wizard", "content": "hi"}]), "message role must be one of"),
+    (dict(messages=[{"role": "user", "content": "hi"}] * 2000),
+     "messages must hold at most 1024 messages, got 2000"),
+    (dict(prompt="hi", request_id="r" * 10_000), "request_id must be a string of 1 to 256"),
+    (dict(prompt="hi", cache_salt="s" * 10_000), "cache_salt must be a string of 0 to 256"),
+    (dict(prompt="hi", output_kind=99), "output_kind must be one of CUMULATIVE (0), DELTA (1)"),
 ])
 def test_invalid_requests_are_invalid_argument_naming_the_field(stack, kwargs, message):
     error = error_of(lambda: list(stack.client.generate(**kwargs)))
@@ -207,6 +218,29 @@ def test_invalid_requests_are_invalid_argument_naming_the_field(stack, kwargs, m
     # Nothing reached the engine, and the frontend keeps serving.
     assert stack.frontend.servicer.engine.num_unfinished_requests == 0
     assert len(final(stack.client, "hi", max_tokens=2, **GREEDY).outputs[0].token_ids) == 2
+
+
+def test_an_undecodable_body_is_invalid_argument_without_a_traceback(stack, caplog):
+    with grpc.insecure_channel(stack.frontend.address) as channel:
+        generate = channel.unary_stream("/kvmesh.v1.Generation/Generate")
+        error = error_of(lambda: list(generate(b"\xff\xff\xff\xff not a GenerateRequest")))
+        tokenize = channel.unary_unary("/kvmesh.v1.Generation/Tokenize")
+        tokenize_error = error_of(lambda: tokenize(b"\xff\xff\xff\xff", timeout=10))
+    for e in (error, tokenize_error):
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "could not be decoded" in e.details()
+    assert "Traceback" not in caplog.text and "DecodeError" not in caplog.text
+
+
+def test_a_huge_prompt_is_refused_before_it_stalls_other_streams(stack):
+    """The 8 MB prompt is refused by its size, never tokenized; a stream running
+    beside it is not held up (the tokenizer would take seconds)."""
+    beside = stack.client.generate("Count with me", max_tokens=40, **GREEDY)
+    first = next(beside)
+    huge = error_of(lambda: stack.client.tokenize("word " * 2_000_000))
+    rest = list(beside)
+    assert huge.code() == grpc.StatusCode.INVALID_ARGUMENT and "bytes of text" in huge.details()
+    assert len(first.outputs[0].token_ids) + sum(len(c.outputs[0].token_ids) for c in rest) == 40
 
 
 def test_unset_sampling_fields_take_vllm_defaults_over_grpc(stack):

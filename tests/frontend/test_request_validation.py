@@ -12,7 +12,7 @@ from services.common.validation import ValidationError
 MAX_MODEL_LEN = 2048  # the input_processor fixture's
 
 BAD_PARAMS = [
-    (dict(n=0), "n", "n must be >= 1, got 0"),
+    (dict(n=0), "n", "n must be in [1, 128], got 0"),
     (dict(temperature=-0.5), "temperature", "temperature must be >= 0, got -0.5"),
     (dict(temperature=math.inf), "temperature", "temperature must be >= 0, got inf"),
     (dict(temperature=math.nan), "temperature", "temperature must be >= 0, got nan"),
@@ -37,7 +37,7 @@ BAD_PARAMS = [
     (dict(logprobs=21), "logprobs", "logprobs must be in [0, 20], got 21"),
     (dict(logprobs=-1), "logprobs", "logprobs must be in [0, 20], got -1"),
     (dict(prompt_logprobs=50), "prompt_logprobs", "prompt_logprobs must be in [0, 20], got 50"),
-    (dict(stop=[""]), "stop", "stop must be non-empty strings, got ['']"),
+    (dict(stop=[""]), "stop", "stop strings must have 1 to 1024 characters, got 0"),
     (dict(stop=["ok", 3]), "stop", "stop must be a list of strings, got ['ok', 3]"),
     (dict(stop=["x"], detokenize=False), "stop", "stop strings need detokenize=True"),
     (dict(stop_token_ids=[49152]), "stop_token_ids",
