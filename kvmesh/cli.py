@@ -6,13 +6,15 @@
 
 ``up`` starts Redis (an embedded valkey-server unless ``--redis-url``), the
 scheduler, the workers and a frontend as child processes on loopback, prints
-the frontend's address once everything is healthy, and stops them all on
-Ctrl-C or SIGTERM.
+the frontend's address once everything is healthy, restarts any child that
+dies, and stops them all on Ctrl-C, SIGTERM or SIGHUP, or when its output is
+closed; if it is killed outright, the children stop on their own.
 """
 
 from __future__ import annotations
 
 import argparse
+import select
 import signal
 import sys
 import time
@@ -28,8 +30,8 @@ def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
     # Ignore any further SIGINT/SIGTERM first: a second signal arriving while
     # the cluster is being stopped would otherwise abort the shutdown and
     # leave the children running.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
@@ -95,9 +97,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         log_dir=args.log_dir, worker_args=["--device", args.device] if args.device else [],
     )
     cluster = LocalCluster(config)
-    # SIGTERM leaves the same way as Ctrl-C: through the finally below. SIGINT
-    # is set too because a shell starts background jobs with it ignored.
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # SIGTERM and SIGHUP (the terminal closed) leave the same way as Ctrl-C:
+    # through the finally below. SIGINT is set too because a shell starts
+    # background jobs with it ignored.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_keyboard_interrupt)
     try:
         print(f"kvmesh: starting {args.workers} worker(s) on model "
@@ -109,15 +112,23 @@ def cmd_up(args: argparse.Namespace) -> int:
         if args.demo:
             _demo(cluster.address)
         _watch(cluster)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, BrokenPipeError):
         pass
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # when leaving without a signal
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        print("kvmesh: stopping...", flush=True)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # leaving without one
+            signal.signal(sig, signal.SIG_IGN)
+        _print_quietly("kvmesh: stopping...")
         cluster.stop()
-        print("kvmesh: stopped", flush=True)
+        _print_quietly("kvmesh: stopped")
     return 0
+
+
+def _print_quietly(line: str) -> None:
+    """Prints, unless nobody reads this output any more."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        pass
 
 
 def _demo(address: str) -> None:
@@ -131,15 +142,19 @@ def _demo(address: str) -> None:
 
 
 def _watch(cluster) -> None:
-    """Serves until interrupted; reports children that exit on their own."""
-    reported: set[str] = set()
-    while True:
+    """Serves until interrupted, restarting children that exit on their own;
+    leaves when its own output is gone (the reader of a pipe exited)."""
+    while not _stdout_gone():
         time.sleep(_WATCH_INTERVAL_S)
-        for process in [cluster.scheduler, *cluster.workers, *cluster.frontends]:
-            if not process.alive() and process.name not in reported:
-                reported.add(process.name)
-                print(f"kvmesh: {process.name} exited with code {process.popen.returncode}",
-                      file=sys.stderr, flush=True)
+        for restarted in cluster.supervise():
+            print(f"kvmesh: restarted {restarted}", file=sys.stderr, flush=True)
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe or terminal whose other end has closed."""
+    poller = select.poll()
+    poller.register(sys.stdout.fileno(), select.POLLERR | select.POLLHUP)
+    return bool(poller.poll(0))
 
 
 # ---------------------------------------------------------------- generate / chat

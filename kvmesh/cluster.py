@@ -5,7 +5,9 @@ listens on loopback on a free port; each child runs in its own process group
 (session) so stopping it also stops anything it started, and so a Ctrl-C in
 the terminal reaches only the CLI, which then stops the children in order:
 frontends, workers, scheduler, Redis; each with SIGTERM first, SIGKILL after
-a grace period.
+a grace period. Each child also gets SIGTERM if the process that started it
+dies, so no service outlives a killed ``kvmesh up``. ``supervise()``
+restarts a child that exited on its own, with backoff, on the same address.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import IO
 
 from kvmesh.healthcheck import check_health
+from services.common.process import with_parent_death_signal
 from services.common.redis_server import EmbeddedRedis, free_port
 from services.common.security import CLUSTER_SECRET_ENV
 
@@ -29,6 +32,9 @@ from services.common.security import CLUSTER_SECRET_ENV
 ArgvFactory = Callable[[str, str, int], list[str]]
 _POLL_INTERVAL_S = 0.2
 _LOG_TAIL_BYTES = 4000
+_MIN_RESTART_BACKOFF_S = 1.0
+_MAX_RESTART_BACKOFF_S = 30.0
+_RESTART_RESET_S = 60.0
 
 
 @dataclass(kw_only=True)
@@ -79,16 +85,37 @@ class ServiceProcess:
         self.argv = argv
         self.health_address = health_address
         self.log_path = log_path
-        log: IO[bytes] | None = open(log_path, "ab") if log_path is not None else None
+        self.env = env
+        self.num_restarts = 0
+        self.started_at = time.monotonic()
+        self.popen = self._spawn()
+
+    def _spawn(self) -> subprocess.Popen:
+        log: IO[bytes] | None = open(self.log_path, "ab") if self.log_path is not None else None
         try:
-            self.popen = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT if log else None,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+            return subprocess.Popen(
+                with_parent_death_signal(self.argv), stdout=log,
+                stderr=subprocess.STDOUT if log else None,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
                 start_new_session=True,
             )
         finally:
             if log is not None:
                 log.close()
+
+    def restart(self) -> None:
+        """Starts the same command again (the child exited)."""
+        self.num_restarts += 1
+        self.started_at = time.monotonic()
+        self.popen = self._spawn()
+
+    def restart_due(self, now: float) -> bool:
+        """Whether a dead child may be restarted now: 1 s after it started, doubling
+        with each restart up to 30 s; a child that ran a minute starts afresh."""
+        if now - self.started_at > _RESTART_RESET_S:
+            self.num_restarts = 0
+        backoff_s = min(_MIN_RESTART_BACKOFF_S * 2 ** self.num_restarts, _MAX_RESTART_BACKOFF_S)
+        return now - self.started_at >= backoff_s
 
     @property
     def pid(self) -> int:
@@ -209,6 +236,23 @@ class LocalCluster:
         self.frontends.append(frontend)
         frontend.wait_serving(self._deadline())
         return frontend
+
+    def supervise(self) -> list[str]:
+        """Restarts, with backoff, every child that exited on its own and the
+        embedded Redis; returns what was restarted (call it every second or so)."""
+        restarted = []
+        now = time.monotonic()
+        for process in [self.scheduler, *self.workers, *self.frontends]:
+            if process is not None and not process.alive() and process.restart_due(now):
+                exit_code = process.popen.returncode
+                process.restart()
+                restarted.append(f"{process.name} (had exited with code {exit_code}; "
+                                 f"restart {process.num_restarts})")
+        if self.redis is not None and not self.redis.alive():
+            self.redis.stop()
+            self.redis = EmbeddedRedis(port=self.redis.port)
+            restarted.append("redis")
+        return restarted
 
     def stop(self) -> None:
         """Stops every child, frontends first, then Redis; safe to call twice."""

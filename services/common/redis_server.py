@@ -14,6 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from services.common.process import with_parent_death_signal
+
 
 def free_port() -> int:
     """Returns a TCP port on 127.0.0.1 that was free a moment ago."""
@@ -35,14 +37,14 @@ class EmbeddedRedis:
         self.port = port or free_port()
         self._dir = tempfile.mkdtemp(prefix="kvmesh-valkey-")
         self._proc = subprocess.Popen(
-            [
+            with_parent_death_signal([
                 str(valkey_server_binary()),
                 "--bind", "127.0.0.1",
                 "--port", str(self.port),
                 "--save", "",
                 "--appendonly", "no",
                 "--dir", self._dir,
-            ],
+            ]),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -51,6 +53,9 @@ class EmbeddedRedis:
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
 
     @property
     def pid(self) -> int:

@@ -75,3 +75,38 @@ def test_kvmesh_up_serves_then_stops_every_child_on_sigterm(tiny_model_dir, tmp_
         assert cli.wait(60) == 0
     next_line_with(lines, "kvmesh: stopped", timeout_s=5)
     wait_for(lambda: not any(alive(pid) for pid in children), timeout_s=5, what="children gone")
+
+
+def up_argv(tiny_model_dir: Path, tmp_path: Path) -> list[str]:
+    return [sys.executable, "-m", "kvmesh.cli", "up", "--model", str(tiny_model_dir),
+            "--port", "0", "--workers", "1", "--max-model-len", str(TINY_MAX_MODEL_LEN),
+            "--log-dir", str(tmp_path)]
+
+
+def start_up(tiny_model_dir: Path, tmp_path: Path) -> tuple[subprocess.Popen, queue.Queue, str]:
+    cli = subprocess.Popen(up_argv(tiny_model_dir, tmp_path), stdout=subprocess.PIPE, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=read_lines, args=(cli.stdout, lines), daemon=True).start()
+    serving = next_line_with(lines, "kvmesh: serving on ")
+    return cli, lines, serving.split("serving on ")[1].split()[0]
+
+
+def test_children_stop_when_kvmesh_up_is_killed_outright(tiny_model_dir, tmp_path):
+    cli, _, _ = start_up(tiny_model_dir, tmp_path)
+    children = child_pids(cli.pid)
+    assert len(children) == 4
+    cli.kill()  # SIGKILL: no chance to stop anything itself
+    cli.wait(10)
+    wait_for(lambda: not any(alive(pid) for pid in children), timeout_s=15, what="orphans gone")
+
+
+def test_kvmesh_up_stops_when_its_output_is_closed(tiny_model_dir, tmp_path):
+    cli = subprocess.Popen(up_argv(tiny_model_dir, tmp_path), stdout=subprocess.PIPE, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    while "kvmesh: serving on " not in cli.stdout.readline():
+        pass
+    children = child_pids(cli.pid)
+    cli.stdout.close()  # the reader goes away, as `kvmesh up | head -1` does
+    assert cli.wait(30) == 0
+    wait_for(lambda: not any(alive(pid) for pid in children), timeout_s=5, what="children gone")
