@@ -97,7 +97,8 @@ class SchedulerServiceConfig:
     worker's. ``scheduling`` applies to every worker (see
     ``make_scheduler_config``). ``load_weight_tokens``: how many
     prefix-hit tokens one queued request on a worker is worth when placing
-    requests (see router.Router).
+    requests (see router.Router). ``metrics_port`` serves Prometheus
+    ``/metrics`` on ``host`` (0: a free port; None: off).
     """
 
     host: str = "127.0.0.1"
@@ -106,10 +107,13 @@ class SchedulerServiceConfig:
     model: str | None = None
     scheduling: SchedulingOptions = field(default_factory=SchedulingOptions)
     load_weight_tokens: float = 32.0
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port is {self.port}, must be in [0, 65535]")
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ValueError(f"{name} is {value}, must be in [0, 65535]")
         if self.load_weight_tokens < 0:
             raise ValueError(f"load_weight_tokens is {self.load_weight_tokens}, must be >= 0")
 

@@ -29,6 +29,7 @@ from services.common.model_files import DEFAULT_MODEL_NAME
 from services.common.registration import WorkerRegistration
 from services.common.stats import SchedulerStats
 from services.scheduler.config import SchedulerServiceConfig, make_scheduler_config
+from services.scheduler.metrics import SchedulerMetrics, WorkerSnapshot
 from services.scheduler.request import Request
 from services.scheduler.router import RequestFactory, Router
 from services.scheduler.scheduler import Scheduler, WaitingQueueFullError
@@ -101,6 +102,7 @@ class Coordinator:
         self.draining = False
         self._next_client_index = 0
         self._next_engine_index = 0
+        self.metrics = SchedulerMetrics(lambda: self.model or "", self.metrics_snapshots)
 
     # ------------------------------------------------------------ frontends
 
@@ -159,7 +161,7 @@ class Coordinator:
 
     def _place(self, client: ClientStream, req_id: str, make_request: RequestFactory) -> None:
         full: list[str] = []
-        for session, request in self.router.rank(make_request, self.sessions.values()):
+        for session, request, hit_tokens in self.router.rank(make_request, self.sessions.values()):
             try:
                 session.add_request(request)
             except WaitingQueueFullError as e:
@@ -170,6 +172,8 @@ class Coordinator:
                 return
             self.placements[req_id] = Placement(session, client)
             client.request_ids.add(req_id)
+            reason = "fallback" if full else "prefix_hit" if hit_tokens else "least_loaded"
+            self.metrics.placements.labels(self.model, reason).inc()
             logger.info("event=request_placed request_id=%s worker=%s num_tokens=%d",
                         req_id, session.worker_id, request.num_tokens)
             return
@@ -229,13 +233,14 @@ class Coordinator:
             raise RegistrationError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         try:
             store = self.stores.open(model, worker_id, kv_cache_id, config.num_blocks, config.block_size)
-            scheduler = Scheduler(config, store)  # recovers the stored prefix cache
+            scheduler = Scheduler(config, store, log_stats=True)  # recovers the stored prefix cache
             self.stores.mark_trusted(model, worker_id, store, kv_cache_id)
         except redis.RedisError as e:
             raise RegistrationError(grpc.StatusCode.UNAVAILABLE, f"the KV store is unreachable: {e}") from e
         self.model = model
         self._next_engine_index += 1
-        session = WorkerSession(worker_id, engine_index, scheduler, store, self.route_outputs)
+        session = WorkerSession(worker_id, engine_index, scheduler, store, self.route_outputs,
+                                self.metrics.for_worker(model, worker_id))
         self.sessions[worker_id] = session
         session.start(on_failure=self._on_session_failure)
         logger.info("event=worker_registered worker=%s engine_index=%d num_blocks=%d "
@@ -251,11 +256,14 @@ class Coordinator:
         del self.sessions[session.worker_id]
         trusted = not session.step_in_flight
         session.close()
+        session.metrics.remove()
         orphans = session.unfinished_requests()
         assert self.model is not None  # set by the session's registration
         self.stores.release(self.model, session.worker_id, session.store, trusted=trusted)
         logger.info("event=worker_removed worker=%s reason=%r num_requeued=%d",
                     session.worker_id, reason, len(orphans))
+        if not self.draining:
+            self.metrics.worker_failovers.labels(self.model).inc()
         for old in orphans:
             placement = self.placements.pop(old.request_id, None)
             if placement is None:
@@ -267,6 +275,7 @@ class Coordinator:
                        else f"worker {session.worker_id} was lost and no worker is left")
                 self._refuse(client, old.request_id, grpc.StatusCode.UNAVAILABLE, why)
             else:
+                self.metrics.requests_replaced.labels(self.model).inc()
                 self._place(client, old.request_id, _requeued(old))
         # Requests it had refused (IGNORED) but not yet reported: say so now.
         for req_id in [r for r, p in self.placements.items() if p.session is session]:
@@ -292,8 +301,15 @@ class Coordinator:
 
     # ------------------------------------------------------------ stats
 
-    def stats(self) -> list[tuple[str, SchedulerStats]]:
-        return [(worker_id, s.scheduler.make_stats()) for worker_id, s in self.sessions.items()]
+    def stats(self, include_block_map: bool = False) -> list[tuple[str, SchedulerStats]]:
+        return [(worker_id, s.make_stats(include_block_map))
+                for worker_id, s in self.sessions.items()]
+
+    def metrics_snapshots(self) -> list[WorkerSnapshot]:
+        now = time.monotonic()
+        return [WorkerSnapshot(worker_id, s.make_stats(), s.store.mirror_lag_s(now),
+                               s.store.num_write_errors)
+                for worker_id, s in self.sessions.items()]
 
 
 def _requeued(old: Request) -> RequestFactory:

@@ -17,6 +17,7 @@ Redis layout, every key under ``kvmesh:{model}:{worker_id}:``:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -79,11 +80,17 @@ class KVStateSnapshot:
 
 
 class KVStore(Protocol):
+    num_write_errors: int  # failed apply() calls, cumulative
+
     def apply(self, delta: KVStateDelta) -> None:
         """Writes a delta in one round trip."""
 
     def load(self) -> KVStateSnapshot | None:
         """The stored state, or None if nothing is stored."""
+
+    def mirror_lag_s(self, now: float) -> float:
+        """How long (time.monotonic() seconds) the store has lacked changes it
+        was sent; 0 while it mirrors everything."""
 
 
 def _merge(target: dict[K, list[int]], updates: dict[K, list[int] | None]) -> None:
@@ -100,6 +107,10 @@ class InMemoryKVStore:
     def __init__(self) -> None:
         self._state: KVStateSnapshot | None = None
         self._free_seq: dict[int, int] = {}
+        self.num_write_errors = 0
+
+    def mirror_lag_s(self, now: float) -> float:
+        return 0.0
 
     def apply(self, delta: KVStateDelta) -> None:
         if delta.clear or self._state is None:
@@ -150,6 +161,13 @@ class RedisKVStore:
         self.block_tokens_key = prefix + "block_tokens"
         self.free_seq_key = prefix + "free_seq"
         self.req_blocks_key = prefix + "req_blocks"
+        self.num_write_errors = 0
+        # When a write first failed; a failed delta is lost, so only a clearing
+        # write brings the mirror back in sync.
+        self._behind_since: float | None = None
+
+    def mirror_lag_s(self, now: float) -> float:
+        return 0.0 if self._behind_since is None else now - self._behind_since
 
     def _all_keys(self) -> list[str]:
         return [self.meta_key, self.prefix_key, self.block_tokens_key,
@@ -171,7 +189,15 @@ class RedisKVStore:
             pipe.zadd(self.free_seq_key, seqs)
         if gone:
             pipe.zrem(self.free_seq_key, *gone)
-        pipe.execute()
+        try:
+            pipe.execute()
+        except redis.RedisError:
+            self.num_write_errors += 1
+            if self._behind_since is None:
+                self._behind_since = time.monotonic()
+            raise
+        if delta.clear:
+            self._behind_since = None
 
     @staticmethod
     def _write_lists(pipe: redis.client.Pipeline, key: str,

@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.process import configure_logging, wait_for_shutdown_signal
+from services.common.prometheus import MetricsServer
 from services.common.rpc import SERVER_OPTIONS
 from services.scheduler.config import SchedulerServiceConfig, SchedulingOptions
 from services.scheduler.coordinator import Coordinator
@@ -46,6 +47,10 @@ class SchedulerServer:
             (ENGINE_CORE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
         )
         self.port = 0
+        self.metrics_server: MetricsServer | None = None
+        if config.metrics_port is not None:
+            self.metrics_server = MetricsServer(self.coordinator.metrics.registry, config.host,
+                                                config.metrics_port)
 
     @property
     def address(self) -> str:
@@ -57,6 +62,8 @@ class SchedulerServer:
         if self.port == 0:
             raise OSError(f"could not bind {self.config.host}:{self.config.port}")
         await self._server.start()
+        if self.metrics_server is not None:
+            await self.metrics_server.start()
         for service in ("", ENGINE_CORE_SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         logger.info("event=scheduler_serving address=%s redis=%s", self.address,
@@ -81,6 +88,8 @@ class SchedulerServer:
             self.coordinator.drain_workers()
             await _wait_until(lambda: not self.coordinator.sessions, deadline)
         await self._server.stop(max(deadline - time.monotonic(), 0.0))
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
         logger.info("event=scheduler_stopped")
 
     async def wait_for_termination(self) -> None:
@@ -112,6 +121,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[SchedulerServiceConfig, a
     p.add_argument("--model", default=d.model, help="default: the first worker's model")
     SchedulingOptions.add_cli_args(p)
     p.add_argument("--load-weight-tokens", type=float, default=d.load_weight_tokens)
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics on this port (0: a free one; default: off)")
     p.add_argument("--shutdown-grace-s", type=float, default=5.0)
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
@@ -122,6 +133,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[SchedulerServiceConfig, a
         model=args.model,
         scheduling=SchedulingOptions.from_cli_args(args),
         load_weight_tokens=args.load_weight_tokens,
+        metrics_port=args.metrics_port,
     )
     return config, args
 
