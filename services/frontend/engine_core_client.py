@@ -91,9 +91,10 @@ class EngineCoreClient:
         if request_ids and self.connected:
             self._send(abort_message(request_ids))
 
-    async def get_stats(self) -> api_pb2.ClusterStats:
+    async def get_stats(self, include_block_map: bool = False) -> api_pb2.ClusterStats:
         """The scheduler's GetStats (raises grpc.aio.AioRpcError on failure)."""
-        return await self._stub.GetStats(api_pb2.GetStatsRequest(), timeout=_STATS_TIMEOUT_S)
+        request = api_pb2.GetStatsRequest(include_block_map=include_block_map)
+        return await self._stub.GetStats(request, timeout=_STATS_TIMEOUT_S)
 
     async def close(self) -> None:
         if self._task is not None:

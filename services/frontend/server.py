@@ -1,11 +1,13 @@
-"""The frontend gRPC service: the public ``kvmesh.v1.Generation`` API.
+"""The frontend gRPC service: the public ``kvmesh.v1.Generation`` API, and beside it
+the HTTP API (services/frontend/http) on the same event loop and AsyncLLM.
 
 Start-up order: listen at once with health NOT_SERVING, load the tokenizer,
 open the one FrontendStream to the scheduler, then report SERVING. Health
 goes back to NOT_SERVING while the scheduler stream is down and while
 draining. Status codes: INVALID_ARGUMENT for a bad request (the message
 names the field and its allowed range), UNAVAILABLE when no scheduler or
-worker can serve, RESOURCE_EXHAUSTED when the scheduler's queue is full.
+worker can serve, RESOURCE_EXHAUSTED when the scheduler's queue is full,
+UNAUTHENTICATED / PERMISSION_DENIED when API keys are on (auth.py).
 
 ``python -m services.frontend.server --port 50051 --scheduler-address HOST:PORT``
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import secrets
 from contextlib import aclosing
 
@@ -28,25 +31,28 @@ from services.common.process import configure_logging, wait_for_shutdown_signal
 from services.common.rpc import SERVER_OPTIONS
 from services.frontend import api_convert
 from services.frontend.async_llm import AsyncLLM, RequestFailedError
+from services.frontend.auth import ApiKeyAuth, AuthError, Role, parse_api_keys
 from services.frontend.config import FrontendServiceConfig, ModelInfo, read_model_info
 from services.frontend.engine_core_client import EngineCoreClient
+from services.frontend.http.app import HttpState, build_app
+from services.frontend.http.server import HttpServer
 from services.frontend.input_processor import InputProcessor
 from services.frontend.output_processor import OutputProcessor
-from services.frontend.tokenizer import (
-    encode_chat,
-    encode_prompt,
-    load_eos_token_ids,
-    load_tokenizer,
-)
+from services.frontend.stat_logger import PrometheusStatLogger
+from services.frontend.tokenizer import load_eos_token_ids, load_tokenizer, tokenize
 from services.frontend.validation import DEFAULT_MAX_LOGPROBS, ValidationError, check_token_ids
 
 logger = logging.getLogger(__name__)
 
 GENERATION_SERVICE = api_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+_AUTHORIZATION_METADATA_KEY = "authorization"
+
+
 class GenerationServicer(api_pb2_grpc.GenerationServicer):
     """The public API over an AsyncLLM; answers UNAVAILABLE until ``ready``."""
 
-    def __init__(self) -> None:
+    def __init__(self, auth: ApiKeyAuth | None = None) -> None:
+        self.auth = auth or ApiKeyAuth()
         self.engine: AsyncLLM | None = None
         self.model_info: ModelInfo | None = None
         self.engine_core: EngineCoreClient | None = None
@@ -54,12 +60,23 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
     def ready(self, engine: AsyncLLM, model_info: ModelInfo, engine_core: EngineCoreClient) -> None:
         self.engine, self.model_info, self.engine_core = engine, model_info, engine_core
 
+    async def _authorize(self, context: grpc.aio.ServicerContext, role: Role) -> str | None:
+        """The call's API key (None while keys are off); aborts the call without one."""
+        metadata = dict(context.invocation_metadata() or ())
+        try:
+            return self.auth.check(metadata.get(_AUTHORIZATION_METADATA_KEY), role)
+        except AuthError as e:
+            code = (grpc.StatusCode.PERMISSION_DENIED if e.forbidden
+                    else grpc.StatusCode.UNAUTHENTICATED)
+            await context.abort(code, e.message)
+
     async def _engine(self, context: grpc.aio.ServicerContext) -> AsyncLLM:
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the frontend is still starting")
         return self.engine
 
     async def Generate(self, request: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        key = await self._authorize(context, Role.USER)
         engine = await self._engine(context)
         client_request_id = request.request_id or f"req-{secrets.token_hex(8)}"
         try:
@@ -67,7 +84,8 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             params = api_convert.sampling_params_from_api(
                 request.sampling_params, request.HasField("sampling_params")
             )
-            cache_salt = request.cache_salt if request.HasField("cache_salt") else None
+            requested_salt = request.cache_salt if request.HasField("cache_salt") else None
+            cache_salt = self.auth.cache_salt(key, requested_salt)
             stream = engine.generate(
                 client_request_id, prompt, params, priority=request.priority, cache_salt=cache_salt
             )
@@ -84,17 +102,12 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             await context.abort(e.code, e.message)
 
     async def Tokenize(self, request: api_pb2.TokenizeRequest, context) -> api_pb2.TokenizeResponse:
+        await self._authorize(context, Role.USER)
         engine = await self._engine(context)
-        tokenizer = engine.input_processor.tokenizer
         try:
             prompt = api_convert.prompt_from_api(request)
-            if isinstance(prompt, str):
-                ids = (encode_prompt(tokenizer, prompt) if request.add_special_tokens
-                       else tokenizer.encode(prompt, add_special_tokens=False))
-            elif prompt and isinstance(prompt[0], dict):
-                ids = encode_chat(tokenizer, prompt)[1]
-            else:
-                raise ValidationError("prompt", "Tokenize takes text or chat messages")
+            ids = tokenize(engine.input_processor.tokenizer, prompt,
+                           add_special_tokens=request.add_special_tokens)
         except ValidationError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return api_pb2.TokenizeResponse(token_ids=ids)
@@ -102,6 +115,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
     async def Detokenize(
         self, request: api_pb2.DetokenizeRequest, context
     ) -> api_pb2.DetokenizeResponse:
+        await self._authorize(context, Role.USER)
         engine = await self._engine(context)
         try:
             check_token_ids("token_ids", request.token_ids, self.model_info.vocab_size)
@@ -115,15 +129,17 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
     async def GetModelInfo(
         self, request: api_pb2.GetModelInfoRequest, context
     ) -> api_pb2.ModelInfo:
+        await self._authorize(context, Role.USER)
         await self._engine(context)
         info = self.model_info
         return api_pb2.ModelInfo(model=info.name, max_model_len=info.max_model_len,
                                  vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids)
 
     async def GetStats(self, request: api_pb2.GetStatsRequest, context) -> api_pb2.ClusterStats:
+        await self._authorize(context, Role.ADMIN)
         await self._engine(context)
         try:
-            return await self.engine_core.get_stats()
+            return await self.engine_core.get_stats(request.include_block_map)
         except grpc.aio.AioRpcError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"scheduler GetStats failed: {e.code().name}: {e.details()}")
@@ -136,8 +152,13 @@ class FrontendServer:
         self.config = config
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
         self.health = health.aio.HealthServicer()
-        self.servicer = GenerationServicer()
+        auth = ApiKeyAuth(config.api_keys, config.admin_api_keys)
+        self.servicer = GenerationServicer(auth)
         self.engine_core: EngineCoreClient | None = None
+        self.http_state = HttpState(self.servicer, auth)
+        self.http: HttpServer | None = None
+        if config.http_port is not None:
+            self.http = HttpServer(build_app(self.http_state), config.host, config.http_port)
         self._health_task: asyncio.Task | None = None
         api_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -176,7 +197,10 @@ class FrontendServer:
         """
         await self._set_serving(False)
         await self.server.start()
-        logger.info("event=frontend_listening address=%s", self.address)
+        if self.http is not None:
+            await self.http.start()
+        logger.info("event=frontend_listening address=%s http=%s", self.address,
+                    self.http.url if self.http is not None else "off")
         engine, model_info = await asyncio.to_thread(self._build_engine)
         self.engine_core = EngineCoreClient(
             self.config.scheduler_address,
@@ -202,12 +226,17 @@ class FrontendServer:
         input_processor = InputProcessor(tokenizer, info.max_model_len, info.vocab_size,
                                          info.eos_token_ids, self.config.max_logprobs)
         output_processor = OutputProcessor(tokenizer, self.config.stream_interval)
-        return AsyncLLM(input_processor, output_processor), info
+        stat_logger = PrometheusStatLogger(info.name, info.max_model_len)
+        return AsyncLLM(input_processor, output_processor, stat_logger), info
 
     async def stop(self, grace_s: float | None = 5.0) -> None:
         """NOT_SERVING, lets streams finish for ``grace_s``, then closes the scheduler stream."""
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
+        if self.http is None:
+            await self.server.stop(grace_s)
+        else:
+            self.http_state.draining = True
+            await asyncio.gather(self.server.stop(grace_s), self.http.stop(grace_s))
         if self.engine_core is not None:
             await self.engine_core.close()
         logger.info("event=frontend_stopped address=%s", self.address)
@@ -223,7 +252,8 @@ async def serve_frontend(config: FrontendServiceConfig) -> FrontendServer:
     return server
 
 
-def parse_args(argv: list[str] | None = None) -> FrontendServiceConfig:
+def parse_args(argv: list[str] | None = None) -> tuple[FrontendServiceConfig, str]:
+    """The service's config and the log level."""
     p = argparse.ArgumentParser(prog="python -m services.frontend.server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
@@ -233,12 +263,25 @@ def parse_args(argv: list[str] | None = None) -> FrontendServiceConfig:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS)
     p.add_argument("--stream-interval", type=int, default=1)
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="the HTTP API (OpenAI, /metrics, /dashboard) on --host; 0: a free port")
+    p.add_argument("--no-http", action="store_true", help="serve no HTTP API")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY[,KEY...]",
+                   help="require one of these keys (repeatable; default: $KVMESH_API_KEY)")
+    p.add_argument("--admin-api-key", action="append", default=None, metavar="KEY[,KEY...]",
+                   help="keys for GetStats, /stats and /metrics, which show every tenant's "
+                        "activity (default: $KVMESH_ADMIN_API_KEY)")
+    p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     return FrontendServiceConfig(
         host=args.host, port=args.port, scheduler_address=args.scheduler_address,
         model=args.model, max_model_len=args.max_model_len, max_logprobs=args.max_logprobs,
         stream_interval=args.stream_interval,
-    )
+        http_port=None if args.no_http else args.http_port,
+        api_keys=parse_api_keys(args.api_key or [os.environ.get("KVMESH_API_KEY", "")]),
+        admin_api_keys=parse_api_keys(
+            args.admin_api_key or [os.environ.get("KVMESH_ADMIN_API_KEY", "")]),
+    ), args.log_level
 
 
 async def _main(config: FrontendServiceConfig) -> None:
@@ -249,8 +292,9 @@ async def _main(config: FrontendServiceConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    configure_logging()
-    asyncio.run(_main(parse_args(argv)))
+    config, log_level = parse_args(argv)
+    configure_logging(log_level)
+    asyncio.run(_main(config))
 
 
 if __name__ == "__main__":
