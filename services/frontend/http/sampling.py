@@ -2,8 +2,7 @@
 
 Nothing here checks a range: ``AsyncLLM.generate`` validates the result
 exactly as it validates a gRPC request, and its ValidationError names the
-field (the OpenAI name where it differs: ``max_completion_tokens``).
-Fields this server cannot honour are refused here, naming the field.
+field. Fields this server cannot honour are refused here, naming the field.
 """
 
 from __future__ import annotations

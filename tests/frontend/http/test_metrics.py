@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.frontend.http.conftest import HttpStack
 from tests.frontend.http.test_openai_api import random_prompt
+from tests.frontend.test_frontend_server import wait_for
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -119,3 +120,29 @@ def test_counters_move_by_what_the_workload_did(http_stack: HttpStack):
     # Steps that computed tokens: one histogram observation each, on both sides.
     assert delta("scheduler", "kvmesh:step_time_seconds_count") == delta(
         "scheduler", "vllm:iteration_tokens_total_count") > 0
+
+
+def test_gauges_and_counters_move_during_a_request_and_its_abort(http_stack: HttpStack):
+    http_stack.wait_idle()
+    worker_url = http_stack.worker.service.metrics_server.url
+    counters = {f"{http_stack.url}/metrics": "vllm:generation_tokens_total",
+                http_stack.scheduler.metrics_server.url: "vllm:iteration_tokens_total_sum",
+                worker_url: "kvmesh:worker_scheduled_tokens_total"}
+    frontend_url, scheduler_url, _ = counters
+    aborted_before = value(scrape(frontend_url), "vllm:request_success_total",
+                           finished_reason="abort")
+    stream = http_stack.openai().completions.create(
+        model=http_stack.model, prompt="Count with me", max_tokens=240, stream=True,
+        temperature=0.0, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    scheduler = scrape(scheduler_url)
+    assert value(scheduler, "vllm:num_requests_running") == 1
+    assert value(scheduler, "vllm:kv_cache_usage_perc") > 0
+    # Tokens keep coming: each service's counter moves while the request runs.
+    for url, name in counters.items():
+        before = value(scrape(url), name)
+        wait_for(lambda: value(scrape(url), name) > before)
+    stream.close()  # the client leaves: the request is aborted, and counted so
+    http_stack.wait_idle()
+    assert value(scrape(frontend_url), "vllm:request_success_total",
+                 finished_reason="abort") == aborted_before + 1
