@@ -29,6 +29,7 @@ RUN python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python
  # Dequantize the default model once, at build time, into KVMESH_CACHE_DIR.
  && python -m services.common.model_files
 
-# frontend (public API), scheduler; workers serve only their health port.
-EXPOSE 50051 50052 50053
+# frontend (public gRPC API, HTTP API), scheduler, worker health; Prometheus
+# /metrics of the scheduler and the workers.
+EXPOSE 50051 8000 50052 50053 9400 9401
 CMD ["python", "-m", "services.frontend.server", "--host", "0.0.0.0", "--port", "50051"]

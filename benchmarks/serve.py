@@ -1,20 +1,32 @@
-"""Online serving benchmark (like ``vllm bench serve``), gRPC against in-process.
+"""Online serving benchmark (like ``vllm bench serve``): gRPC, HTTP and in-process.
 
-Sends one workload through a kvmesh cluster's public gRPC API (Generate,
-DELTA streaming) and then the same workload through the offline in-process
-engine (``LLMEngine``: scheduler and worker in this process, no gRPC), and
-prints both tables and the throughput ratio.
+Sends one workload through each ``--backends`` in turn and prints their
+tables side by side with each one's throughput against the first:
+
+- ``grpc``: the public gRPC API (Generate, DELTA streaming);
+- ``openai``: the OpenAI-compatible HTTP API, ``/v1/completions`` streamed as
+  server-sent events through the official ``openai`` client (AsyncOpenAI),
+  with the same token-id prompts, so the very same tokens are computed;
+- ``openai-chat``: ``/v1/chat/completions`` streamed, each prompt's token ids
+  decoded to text as one user message (the chat template and re-tokenizing
+  change the prompt lengths a little);
+- ``in-process``: the offline engine (``LLMEngine``: scheduler and worker in
+  this process, no network).
 
 Workload: ``--num-prompts`` prompts of random token ids (input and output
 lengths drawn uniformly within ``--range-ratio`` of ``--input-len`` /
 ``--output-len``), greedy, ``ignore_eos`` so every request produces exactly
-its output length. Arrivals are a Poisson process at ``--request-rate``
-requests/s (``inf``: all at once), capped at ``--max-concurrency`` requests
-in flight. Reported: request throughput, output tokens/s, total tokens/s and
-TTFT / TPOT / ITL mean, p50, p90, p99.
+its output length. Every run is as cold as the first: it sends its prompts
+under a cache salt of its own, so no run hits prefix-cache blocks that an
+earlier run (of any backend) left behind. Arrivals are a Poisson process at
+``--request-rate`` requests/s (``inf``: all at once), capped at
+``--max-concurrency`` requests in flight. Reported: request throughput,
+output tokens/s, total tokens/s and TTFT / TPOT / ITL mean, p50, p90, p99.
 
     .venv/bin/python benchmarks/serve.py --num-prompts 64 --max-concurrency 32 --repeats 3
-    .venv/bin/python benchmarks/serve.py --address 127.0.0.1:50051   # a running cluster
+    .venv/bin/python benchmarks/serve.py --backends grpc openai openai-chat --repeats 3
+    .venv/bin/python benchmarks/serve.py --address 127.0.0.1:50051 \
+        --http-url http://127.0.0.1:8000 --backends grpc openai   # a running cluster
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import openai
 from kvmesh.v1 import api_pb2, api_pb2_grpc, engine_pb2
 
 # Token ids drawn for random prompts: past the special tokens, inside the vocab.
@@ -87,13 +100,14 @@ def make_workload(args: argparse.Namespace) -> list[BenchRequest]:
 # ---------------------------------------------------------------- gRPC
 
 
-async def _grpc_one(stub, request: BenchRequest, index: int) -> RequestResult:
+async def _grpc_one(stub, request: BenchRequest, index: int, cache_salt: str) -> RequestResult:
     params = engine_pb2.SamplingParams(
         n=1, temperature=0.0, top_p=1.0, repetition_penalty=1.0, max_tokens=request.output_len,
         ignore_eos=True, detokenize=True, skip_special_tokens=True,
         output_kind=engine_pb2.DELTA,
     )
-    message = api_pb2.GenerateRequest(request_id=f"bench-{index}", sampling_params=params)
+    message = api_pb2.GenerateRequest(request_id=f"bench-{index}", sampling_params=params,
+                                      cache_salt=cache_salt)
     message.token_ids.ids.extend(request.prompt_token_ids)
     result = RequestResult(start_s=time.perf_counter())
     try:
@@ -108,27 +122,85 @@ async def _grpc_one(stub, request: BenchRequest, index: int) -> RequestResult:
     return result
 
 
-async def run_grpc(address: str, workload: list[BenchRequest], max_concurrency: int
-                   ) -> tuple[list[RequestResult], float]:
+async def run_grpc(address: str, workload: list[BenchRequest], max_concurrency: int,
+                   cache_salt: str) -> tuple[list[RequestResult], float]:
     semaphore = asyncio.Semaphore(max_concurrency)
     async with grpc.aio.insecure_channel(address) as channel:
         stub = api_pb2_grpc.GenerationStub(channel)
-        await _grpc_one(stub, BenchRequest(workload[0].prompt_token_ids, 2, 0.0), -1)  # warm-up
+        warm_up = BenchRequest(workload[0].prompt_token_ids, 2, 0.0)
+        await _grpc_one(stub, warm_up, -1, "warm-up")
         t0 = time.perf_counter()
 
         async def timed(index: int, request: BenchRequest) -> RequestResult:
             await asyncio.sleep(max(0.0, t0 + request.arrival_s - time.perf_counter()))
             async with semaphore:
-                return await _grpc_one(stub, request, index)
+                return await _grpc_one(stub, request, index, cache_salt)
 
         results = await asyncio.gather(*(timed(i, r) for i, r in enumerate(workload)))
         return list(results), time.perf_counter() - t0
 
 
+# ---------------------------------------------------------------- OpenAI HTTP API
+
+
+async def _openai_one(client: openai.AsyncOpenAI, model: str, request: BenchRequest,
+                      prompt_text: str | None, cache_salt: str) -> RequestResult:
+    """One streamed request; ``prompt_text`` None: completions with token ids, else chat."""
+    options = dict(model=model, max_tokens=request.output_len, temperature=0.0, stream=True,
+                   extra_body={"ignore_eos": True, "return_token_ids": True,
+                               "cache_salt": cache_salt})
+    result = RequestResult(start_s=time.perf_counter())
+    try:
+        if prompt_text is None:
+            stream = await client.completions.create(prompt=request.prompt_token_ids, **options)
+        else:
+            stream = await client.chat.completions.create(
+                messages=[{"role": "user", "content": prompt_text}], **options)
+        async for chunk in stream:
+            num_tokens = sum(len(c.model_extra["token_ids"]) for c in chunk.choices)
+            if num_tokens:
+                result.token_times_s.append(time.perf_counter())
+                result.num_output_tokens += num_tokens
+    except openai.APIError as e:
+        result.error = f"{type(e).__name__}: {e}"
+    result.end_s = time.perf_counter()
+    return result
+
+
+async def run_openai(url: str, workload: list[BenchRequest], max_concurrency: int, chat: bool,
+                     cache_salt: str) -> tuple[list[RequestResult], float]:
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0,
+                                timeout=3600)
+    async with client:
+        model = (await client.models.list()).data[0].id
+        texts: list[str | None] = [None] * len(workload)
+        if chat:
+            texts = [await _detokenize(client, url, r.prompt_token_ids) for r in workload]
+        warm_up = BenchRequest(workload[0].prompt_token_ids, 2, 0.0)
+        await _openai_one(client, model, warm_up, texts[0], "warm-up")
+        semaphore = asyncio.Semaphore(max_concurrency)
+        t0 = time.perf_counter()
+
+        async def timed(index: int, request: BenchRequest) -> RequestResult:
+            await asyncio.sleep(max(0.0, t0 + request.arrival_s - time.perf_counter()))
+            async with semaphore:
+                return await _openai_one(client, model, request, texts[index], cache_salt)
+
+        results = await asyncio.gather(*(timed(i, r) for i, r in enumerate(workload)))
+        return list(results), time.perf_counter() - t0
+
+
+async def _detokenize(client: openai.AsyncOpenAI, url: str, token_ids: list[int]) -> str:
+    # The server's own POST /detokenize (vLLM's), through the client's connection pool.
+    response = await client.post(f"{url}/detokenize", body={"tokens": token_ids},
+                                 cast_to=object)
+    return response["prompt"]
+
+
 # ---------------------------------------------------------------- in-process
 
 
-def run_inprocess(engine, workload: list[BenchRequest], max_concurrency: int
+def run_inprocess(engine, workload: list[BenchRequest], max_concurrency: int, cache_salt: str
                   ) -> tuple[list[RequestResult], float]:
     """The same arrivals through LLMEngine.step(), timing outputs as they come."""
     from services.common.sampling_params import RequestOutputKind, SamplingParams
@@ -138,7 +210,7 @@ def run_inprocess(engine, workload: list[BenchRequest], max_concurrency: int
         params = SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True,
                                 output_kind=RequestOutputKind.DELTA)
         results[index] = RequestResult(start_s=time.perf_counter())
-        engine.add_request(str(index), request.prompt_token_ids, params)
+        engine.add_request(str(index), request.prompt_token_ids, params, cache_salt=cache_salt)
 
     results: list[RequestResult | None] = [None] * len(workload)
     next_index = 0
@@ -207,12 +279,19 @@ def print_table(columns: dict[str, dict[str, float]]) -> None:
 
 # ---------------------------------------------------------------- main
 
+BACKENDS = ("grpc", "openai", "openai-chat", "in-process")
+THROUGHPUT = "output token throughput (tok/s)"
+
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backends", nargs="+", choices=BACKENDS, default=["grpc", "in-process"],
+                   help="what to run the workload through, compared with the first")
     p.add_argument("--address", default=None,
-                   help="a running frontend; default: start a local cluster for the run")
+                   help="a running frontend's gRPC address; default: start a local cluster")
+    p.add_argument("--http-url", default=None,
+                   help="with --address: its HTTP API, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="HF model dir or .gguf (default: SmolLM2)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
@@ -224,16 +303,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1,
-                   help="alternate gRPC and in-process runs this many times; report the best")
-    p.add_argument("--skip-inprocess", action="store_true")
-    return p.parse_args()
+                   help="alternate the backends' runs this many times; report each one's best")
+    args = p.parse_args()
+    if args.address and not args.http_url and {"openai", "openai-chat"} & set(args.backends):
+        p.error("--backends openai / openai-chat with --address need --http-url")
+    return args
 
 
-THROUGHPUT = "output token throughput (tok/s)"
+def start_cluster(args: argparse.Namespace, stack: ExitStack) -> tuple[str, str]:
+    """A local cluster like the in-process engine: same model, length and KV size.
 
-
-def start_cluster(args: argparse.Namespace, stack: ExitStack) -> str:
-    """A local cluster like the in-process engine: same model, length and KV size."""
+    Returns its gRPC address and HTTP URL.
+    """
     from kvmesh.cluster import ClusterConfig, LocalCluster
 
     log_dir = Path(tempfile.mkdtemp(prefix="kvmesh-bench-"))
@@ -242,7 +323,8 @@ def start_cluster(args: argparse.Namespace, stack: ExitStack) -> str:
         worker_args=["--kv-cache-gib", str(args.kv_cache_gib)],
     )
     print(f"starting a local cluster (logs in {log_dir})...", flush=True)
-    return stack.enter_context(LocalCluster(config)).address
+    cluster = stack.enter_context(LocalCluster(config))
+    return cluster.address, cluster.http_url
 
 
 def make_inprocess_engine(args: argparse.Namespace, workload: list[BenchRequest]):
@@ -251,37 +333,55 @@ def make_inprocess_engine(args: argparse.Namespace, workload: list[BenchRequest]
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=args.model, max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
     ))
-    run_inprocess(engine, workload[:1], 1)  # warm-up
+    run_inprocess(engine, workload[:1], 1, "warm-up")
     return engine
+
+
+def run_backend(backend: str, repeat: int, args: argparse.Namespace,
+                workload: list[BenchRequest], address: str, http_url: str, engine
+                ) -> dict[str, float]:
+    concurrency = args.max_concurrency
+    salt = f"{backend}-{repeat}"
+    if backend == "grpc":
+        results, duration_s = asyncio.run(run_grpc(address, workload, concurrency, salt))
+    elif backend == "in-process":
+        results, duration_s = run_inprocess(engine, workload, concurrency, salt)
+    else:
+        chat = backend == "openai-chat"
+        results, duration_s = asyncio.run(run_openai(http_url, workload, concurrency, chat,
+                                                     salt))
+    return summarize(results, duration_s, workload)
 
 
 def main() -> None:
     args = parse_args()
     workload = make_workload(args)
-    runs: dict[str, list[dict[str, float]]] = {"gRPC": [], "in-process": []}
+    runs: dict[str, list[dict[str, float]]] = {backend: [] for backend in args.backends}
     with ExitStack() as stack:
-        address = args.address or start_cluster(args, stack)
-        engine = None if args.skip_inprocess else make_inprocess_engine(args, workload)
+        address, http_url = args.address, args.http_url
+        if not address and set(args.backends) - {"in-process"}:
+            address, http_url = start_cluster(args, stack)
+        engine = (make_inprocess_engine(args, workload) if "in-process" in args.backends
+                  else None)
         # Alternating runs see the same background load; noise only slows a
         # run down, so the best of each is compared (as timeit does).
         for repeat in range(args.repeats):
-            results, duration_s = asyncio.run(run_grpc(address, workload, args.max_concurrency))
-            runs["gRPC"].append(summarize(results, duration_s, workload))
-            if engine is not None:
-                results, duration_s = run_inprocess(engine, workload, args.max_concurrency)
-                runs["in-process"].append(summarize(results, duration_s, workload))
+            for backend in args.backends:
+                runs[backend].append(run_backend(backend, repeat, args, workload, address,
+                                                 http_url, engine))
             print(f"repeat {repeat}: " + ", ".join(
-                f"{name} {r[-1][THROUGHPUT]:.1f} tok/s" for name, r in runs.items() if r), flush=True)
+                f"{name} {r[-1][THROUGHPUT]:.1f} tok/s" for name, r in runs.items()), flush=True)
 
-    best = {name: max(r, key=lambda s: s[THROUGHPUT]) for name, r in runs.items() if r}
+    best = {name: max(r, key=lambda s: s[THROUGHPUT]) for name, r in runs.items()}
     print(f"\n{args.num_prompts} prompts, input {args.input_len}, output {args.output_len} "
           f"(range ratio {args.range_ratio}), rate {args.request_rate} req/s, "
           f"max concurrency {args.max_concurrency}, greedy, ignore_eos; "
           f"best of {args.repeats} run(s)\n")
     print_table(best)
-    if "in-process" in best:
-        ratio = best["gRPC"][THROUGHPUT] / best["in-process"][THROUGHPUT]
-        print(f"\ngRPC / in-process output throughput: {ratio:.1%}")
+    first, *others = args.backends
+    for name in others:
+        ratio = best[name][THROUGHPUT] / best[first][THROUGHPUT]
+        print(f"{name} / {first} output throughput: {ratio:.1%}")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,17 @@
 """The ``kvmesh`` command: run a local cluster, and talk to a running one.
 
-    kvmesh up [--model M] [--workers N] [--port P] [--redis-url URL] [--demo]
+    kvmesh up [--model M] [--workers N] [--port P] [--http-port P] [--redis-url URL] [--demo]
     kvmesh generate "Once upon a time" [--address A] [--max-tokens N] [--temperature T]
     kvmesh chat [--address A] [--message "Hi!"] [--system "..."]
 
 ``up`` starts Redis (an embedded valkey-server unless ``--redis-url``), the
 scheduler, the workers and a frontend as child processes on loopback, prints
-the frontend's address once everything is healthy, restarts any child that
-dies, and stops them all on Ctrl-C, SIGTERM or SIGHUP, or when its output is
-closed; if it is killed outright, the children stop on their own.
+one line per service as it becomes ready, then the addresses to use (gRPC,
+the OpenAI-compatible HTTP API, the dashboard, every /metrics), restarts any
+child that dies, and stops them all on Ctrl-C, SIGTERM or SIGHUP, or when its
+output is closed; if it is killed outright, the children stop on their own.
+The children log to files in a directory it names (``--log-dir``); ``-v`` or
+``--log-level`` shows their logs here instead.
 """
 
 from __future__ import annotations
@@ -17,9 +20,14 @@ import argparse
 import select
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvmesh.cluster import ClusterConfig, LocalCluster
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEMO_QUESTION = "What is the capital of France?"
@@ -65,11 +73,22 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--workers", type=int, default=1)
     up.add_argument("--frontends", type=int, default=1)
     up.add_argument("--port", type=int, default=50051, help="frontend port (0: a free one)")
+    up.add_argument("--http-port", type=int, default=8000,
+                    help="the frontend's HTTP API, /metrics and /dashboard (0: a free one)")
+    up.add_argument("--no-http", action="store_true", help="serve no HTTP API")
+    up.add_argument("--api-key", action="append", default=None, metavar="KEY[,KEY...]",
+                    help="require API keys on the public APIs (see the README)")
+    up.add_argument("--admin-api-key", action="append", default=None, metavar="KEY[,KEY...]",
+                    help="keys for GetStats, /stats and /metrics")
     up.add_argument("--redis-url", default=None, help="default: an embedded valkey-server")
     up.add_argument("--max-model-len", type=int, default=None)
     up.add_argument("--device", default=None, help="workers' device: cpu (default) or cuda")
     up.add_argument("--log-dir", type=Path, default=None,
-                    help="write each service's log to DIR/<name>.log (default: this terminal)")
+                    help="write each service's log to DIR/<name>.log (default: a new temporary "
+                         "directory, or this terminal with -v / --log-level)")
+    up.add_argument("--log-level", default=None, help="the services' log level, e.g. DEBUG")
+    up.add_argument("-v", "--verbose", action="store_true",
+                    help="show the services' logs in this terminal")
     up.add_argument("--demo", action="store_true",
                     help=f"stream an answer to {DEMO_QUESTION!r} once serving")
 
@@ -88,27 +107,58 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------- up
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    from kvmesh.cluster import ClusterConfig, LocalCluster
+def _up_config(args: argparse.Namespace) -> ClusterConfig:
+    from kvmesh.cluster import ClusterConfig
 
-    config = ClusterConfig(
+    log_dir = args.log_dir
+    if log_dir is None and not (args.verbose or args.log_level):
+        log_dir = Path(tempfile.mkdtemp(prefix="kvmesh-logs-"))
+    frontend_args = [f"--api-key={key}" for key in args.api_key or ()]
+    frontend_args += [f"--admin-api-key={key}" for key in args.admin_api_key or ()]
+    return ClusterConfig(
         model=args.model, num_workers=args.workers, num_frontends=args.frontends,
-        frontend_port=args.port, redis_url=args.redis_url, max_model_len=args.max_model_len,
-        log_dir=args.log_dir, worker_args=["--device", args.device] if args.device else [],
+        frontend_port=args.port, frontend_http_port=None if args.no_http else args.http_port,
+        redis_url=args.redis_url, max_model_len=args.max_model_len, log_dir=log_dir,
+        log_level=args.log_level, frontend_args=frontend_args,
+        worker_args=["--device", args.device] if args.device else [],
     )
-    cluster = LocalCluster(config)
+
+
+def _print_ready(name: str, detail: str) -> None:
+    print(f"kvmesh: {name:<12} ready  {detail}", flush=True)
+
+
+def _print_addresses(cluster: LocalCluster) -> None:
+    serving = " ".join(cluster.frontend_addresses) + " (gRPC)"
+    has_http = "http" in cluster.frontends[0].urls
+    if has_http:
+        serving += f" and {cluster.http_url}/v1 (OpenAI API)"
+    print(f"kvmesh: serving on {serving}; Ctrl-C to stop", flush=True)
+    if has_http:
+        print(f"kvmesh: dashboard {cluster.http_url}/dashboard", flush=True)
+    if metrics_urls := cluster.metrics_urls():
+        print("kvmesh: metrics " + "  ".join(metrics_urls.values()), flush=True)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from kvmesh.cluster import LocalCluster
+
+    config = _up_config(args)
+    cluster = LocalCluster(config, on_ready=_print_ready)
     # SIGTERM and SIGHUP (the terminal closed) leave the same way as Ctrl-C:
     # through the finally below. SIGINT is set too because a shell starts
     # background jobs with it ignored.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_keyboard_interrupt)
     try:
+        logs = "logs below"
+        if config.log_dir is not None:
+            hint = " (-v to show them here)" if args.log_dir is None else ""
+            logs = f"logs in {config.log_dir}{hint}"
         print(f"kvmesh: starting {args.workers} worker(s) on model "
-              f"{args.model or 'SmolLM2-135M-Instruct'}...", flush=True)
+              f"{args.model or 'SmolLM2-135M-Instruct'}; {logs}", flush=True)
         cluster.start()
-        print(f"kvmesh: serving on {' '.join(cluster.frontend_addresses)} "
-              f"(scheduler {cluster.scheduler_address}, redis {cluster.redis_url}); "
-              "Ctrl-C to stop", flush=True)
+        _print_addresses(cluster)
         if args.demo:
             _demo(cluster.address)
         _watch(cluster)

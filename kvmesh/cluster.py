@@ -28,8 +28,11 @@ from services.common.process import with_parent_death_signal
 from services.common.redis_server import EmbeddedRedis, free_port
 from services.common.security import CLUSTER_SECRET_ENV
 
-# (name, host, port) -> the child's command line.
-ArgvFactory = Callable[[str, str, int], list[str]]
+# (name, host, port) -> the child's command line and what else it serves
+# ({"http": url, "metrics": url}).
+ArgvFactory = Callable[[str, str, int], tuple[list[str], dict[str, str]]]
+# Called with a service's name and a line saying where it serves, once it does.
+ReadyCallback = Callable[[str, str], None]
 _POLL_INTERVAL_S = 0.2
 _LOG_TAIL_BYTES = 4000
 _MIN_RESTART_BACKOFF_S = 1.0
@@ -42,21 +45,26 @@ class ClusterConfig:
     """What to start. ``model`` None is the default model (SmolLM2-135M-Instruct).
 
     ``frontend_port`` 0 picks a free port (the first frontend's; others always
-    get free ports). ``redis_url`` None starts an embedded valkey-server.
+    get free ports); ``frontend_http_port`` likewise for the first frontend's
+    HTTP API (None: no HTTP API). With ``metrics``, the scheduler and each
+    worker serve Prometheus ``/metrics`` on a free port (frontends serve it on
+    their HTTP port). ``redis_url`` None starts an embedded valkey-server.
     ``max_model_len`` goes to workers and frontends alike. The ``*_args``
     lists are extra command-line flags for every process of that kind (e.g.
     ``worker_args=["--num-kv-blocks", "64"]``). ``log_dir`` None lets the
     children write to this process's stdout/stderr; otherwise each writes
-    ``<log_dir>/<name>.log``. ``env`` adds environment variables.
-    ``cluster_secret`` None makes a fresh one for each start: the children get
-    it through the environment, so nobody else on the machine can join or
-    read the internal plane.
+    ``<log_dir>/<name>.log``; ``log_level`` None keeps each service's default
+    (INFO). ``env`` adds environment variables. ``cluster_secret`` None makes
+    a fresh one for each start: the children get it through the environment,
+    so nobody else on the machine can join or read the internal plane.
     """
 
     model: str | None = None
     num_workers: int = 1
     num_frontends: int = 1
     frontend_port: int = 0
+    frontend_http_port: int | None = 0
+    metrics: bool = True
     host: str = "127.0.0.1"
     redis_url: str | None = None
     max_model_len: int | None = None
@@ -64,6 +72,7 @@ class ClusterConfig:
     worker_args: list[str] = field(default_factory=list)
     frontend_args: list[str] = field(default_factory=list)
     log_dir: Path | None = None
+    log_level: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     cluster_secret: str | None = None
     startup_timeout_s: float = 600.0
@@ -77,13 +86,16 @@ class ClusterConfig:
 
 
 class ServiceProcess:
-    """One child service: its command, the address its gRPC health answers on, its log."""
+    """One child service: its command, the address its gRPC health answers on, its log,
+    and the URLs of what else it serves (``urls["http"]``, ``urls["metrics"]``)."""
 
     def __init__(self, name: str, argv: list[str], health_address: str,
-                 log_path: Path | None, env: dict[str, str]) -> None:
+                 log_path: Path | None, env: dict[str, str],
+                 urls: dict[str, str] | None = None) -> None:
         self.name = name
         self.argv = argv
         self.health_address = health_address
+        self.urls = urls or {}
         self.log_path = log_path
         self.env = env
         self.num_restarts = 0
@@ -176,11 +188,13 @@ class LocalCluster:
     """Starts and stops a whole cluster; use as a context manager.
 
     ``start()`` returns once every service answers health SERVING (workers:
-    registered with the scheduler; frontends: streaming to it).
+    registered with the scheduler; frontends: streaming to it); ``on_ready``
+    hears of each service as it gets there (``kvmesh up`` prints a line).
     """
 
-    def __init__(self, config: ClusterConfig) -> None:
+    def __init__(self, config: ClusterConfig, on_ready: ReadyCallback | None = None) -> None:
         self.config = config
+        self._on_ready = on_ready or (lambda name, detail: None)
         self.redis: EmbeddedRedis | None = None
         self.redis_url = config.redis_url
         self.scheduler: ServiceProcess | None = None
@@ -202,13 +216,24 @@ class LocalCluster:
         """The first frontend's address (what clients dial)."""
         return self.frontends[0].health_address
 
+    @property
+    def http_url(self) -> str:
+        """The first frontend's HTTP API (``/v1``, ``/metrics``, ``/dashboard`` under it)."""
+        return self.frontends[0].urls["http"]
+
+    def metrics_urls(self) -> dict[str, str]:
+        """Every service's Prometheus endpoint, by service name."""
+        return {p.name: p.urls["metrics"] for p in [self.scheduler, *self.workers, *self.frontends]
+                if p is not None and "metrics" in p.urls}
+
     def start(self) -> LocalCluster:
         try:
             if self.redis_url is None:
                 self.redis = EmbeddedRedis()
                 self.redis_url = self.redis.url
+            self._on_ready("redis", self.redis_url)
             self.scheduler = self._spawn("scheduler", self._scheduler_argv)
-            self.scheduler.wait_serving(self._deadline())
+            self._wait_serving(self.scheduler, self._deadline())
             self.add_workers(self.config.num_workers)
             for index in range(self.config.num_frontends):
                 port = self.config.frontend_port if index == 0 else 0
@@ -227,14 +252,14 @@ class LocalCluster:
         self.workers.extend(started)
         deadline = self._deadline()
         for worker in started:
-            worker.wait_serving(deadline)
+            self._wait_serving(worker, deadline)
         return started
 
     def add_frontend(self, port: int = 0) -> ServiceProcess:
         """Starts a frontend and waits until it streams to the scheduler."""
         frontend = self._spawn(f"frontend-{len(self.frontends)}", self._frontend_argv, port)
         self.frontends.append(frontend)
-        frontend.wait_serving(self._deadline())
+        self._wait_serving(frontend, self._deadline())
         return frontend
 
     def supervise(self) -> list[str]:
@@ -274,18 +299,31 @@ class LocalCluster:
     def _deadline(self) -> float:
         return time.monotonic() + self.config.startup_timeout_s
 
+    def _wait_serving(self, process: ServiceProcess, deadline: float) -> None:
+        process.wait_serving(deadline)
+        serves = [f"{kind} {url}" for kind, url in process.urls.items()]
+        self._on_ready(process.name, "  ".join([f"grpc {process.health_address}", *serves]))
+
     def _spawn(self, name: str, make_argv: ArgvFactory, port: int = 0) -> ServiceProcess:
         """Starts ``make_argv(name, host, port)`` on ``port`` (0: a free one)."""
         host = self.config.host
         port = port or free_port()
-        argv = make_argv(name, host, port)
+        argv, urls = make_argv(name, host, port)
+        if self.config.log_level is not None:
+            argv += ["--log-level", self.config.log_level]
         log_dir = self.config.log_dir
         log_path = None
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
             log_path = log_dir / f"{name}.log"
         env = {**self.config.env, CLUSTER_SECRET_ENV: self.cluster_secret}
-        return ServiceProcess(name, argv, f"{host}:{port}", log_path, env)
+        return ServiceProcess(name, argv, f"{host}:{port}", log_path, env, urls)
+
+    def _metrics_args(self, host: str) -> tuple[list[str], dict[str, str]]:
+        if not self.config.metrics:
+            return [], {}
+        port = free_port()
+        return ["--metrics-port", str(port)], {"metrics": f"http://{host}:{port}/metrics"}
 
     def _model_args(self) -> list[str]:
         args = []
@@ -295,25 +333,39 @@ class LocalCluster:
             args += ["--max-model-len", str(self.config.max_model_len)]
         return args
 
-    def _scheduler_argv(self, name: str, host: str, port: int) -> list[str]:
+    def _scheduler_argv(self, name: str, host: str, port: int
+                        ) -> tuple[list[str], dict[str, str]]:
         argv = [sys.executable, "-m", "services.scheduler.server", "--host", host,
                 "--port", str(port), "--redis-url", self.redis_url]
         if self.config.model is not None:
             argv += ["--model", self.config.model]
-        return argv + list(self.config.scheduler_args)
+        metrics_args, urls = self._metrics_args(host)
+        return argv + metrics_args + list(self.config.scheduler_args), urls
 
-    def _worker_argv(self, name: str, host: str, port: int) -> list[str]:
+    def _worker_argv(self, name: str, host: str, port: int) -> tuple[list[str], dict[str, str]]:
         # A worker dials the scheduler; ``port`` is where it serves its health.
         argv = [sys.executable, "-m", "services.worker.server",
                 "--scheduler-address", self.scheduler_address, "--worker-id", name,
                 "--health-host", host, "--health-port", str(port), *self._model_args()]
-        return argv + list(self.config.worker_args)
+        metrics_args, urls = self._metrics_args(host)
+        return argv + metrics_args + list(self.config.worker_args), urls
 
-    def _frontend_argv(self, name: str, host: str, port: int) -> list[str]:
+    def _frontend_argv(self, name: str, host: str, port: int) -> tuple[list[str], dict[str, str]]:
         argv = [sys.executable, "-m", "services.frontend.server", "--host", host,
                 "--port", str(port), "--scheduler-address", self.scheduler_address,
                 *self._model_args()]
-        return argv + list(self.config.frontend_args)
+        http_port = self.config.frontend_http_port
+        if http_port is not None and self.frontends:
+            http_port = 0  # only the first frontend gets the configured port
+        urls: dict[str, str] = {}
+        if http_port is None:
+            argv.append("--no-http")
+        else:
+            http_port = http_port or free_port()
+            argv += ["--http-port", str(http_port)]
+            urls = {"http": f"http://{host}:{http_port}",
+                    "metrics": f"http://{host}:{http_port}/metrics"}
+        return argv + list(self.config.frontend_args), urls
 
 
 def stop_all(processes: Sequence[ServiceProcess], grace_s: float) -> None:

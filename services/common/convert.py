@@ -424,6 +424,15 @@ def worker_stats_to_proto(worker_id: str, s: SchedulerStats) -> api_pb2.WorkerSt
         prefix_cache_hit_rate=s.prefix_cache_hit_rate,
         prefix_cache_queries=s.prefix_cache_queries,
         prefix_cache_hits=s.prefix_cache_hits,
+        kv_cache_usage=s.kv_cache_usage,
+        num_preemptions=s.num_preemptions,
+        num_evicted_blocks=s.num_evicted_blocks,
+        num_generation_tokens=s.num_generation_tokens,
+        generation_tokens_per_s=s.generation_tokens_per_s,
+        history_interval_s=s.history_interval_s,
+        block_map=s.block_map,
+        blocks_per_cell=s.blocks_per_cell,
+        num_cached_free_blocks=s.num_cached_free_blocks,
     )
 
 

@@ -29,8 +29,10 @@ from services.common.validation import (
 )
 from services.frontend.engine_core_client import EngineCoreClient, EngineUnavailableError
 from services.frontend.input_processor import InputProcessor, PromptType
+from services.frontend.metrics import IterationStats
 from services.frontend.output_processor import OutputProcessor
 from services.frontend.outputs import RequestOutput
+from services.frontend.stat_logger import PrometheusStatLogger
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +92,7 @@ class AsyncLLM:
     Build with ``AsyncLLM(input_processor, output_processor)``, then
     ``attach(engine_core)`` a client whose callbacks are ``handle_outputs``
     and ``handle_disconnect``; ``handle_cluster_ready`` when the cluster can
-    serve again.
+    serve again. With a ``stat_logger``, every output and abort is recorded in it.
 
     When the scheduler stream breaks (the scheduler restarted), requests in
     flight are kept, and requests that arrive are accepted, for
@@ -101,10 +103,12 @@ class AsyncLLM:
     """
 
     def __init__(self, input_processor: InputProcessor, output_processor: OutputProcessor,
-                 resubmit_grace_s: float = 30.0) -> None:
+                 resubmit_grace_s: float = 30.0,
+                 stat_logger: PrometheusStatLogger | None = None) -> None:
         self.input_processor = input_processor
         self.output_processor = output_processor
         self.resubmit_grace_s = resubmit_grace_s
+        self.stat_logger = stat_logger
         self.engine_core: EngineCoreClient | None = None
         self._collectors: dict[str, RequestOutputCollector] = {}
         # Set while the stream is down within the grace period: fails everything at its end.
@@ -195,6 +199,8 @@ class AsyncLLM:
         internal_ids = self.output_processor.abort_requests([key])
         if internal_ids and self.engine_core is not None:
             self.engine_core.abort_requests(internal_ids)
+        if internal_ids and self.stat_logger is not None:
+            self.stat_logger.record_aborted(len(internal_ids))
         logger.info("event=request_aborted internal_id=%s reason=%s", key, reason)
 
     # ------------------------------------------------------------ engine callbacks
@@ -208,7 +214,10 @@ class AsyncLLM:
                 normal.append(output)
             else:
                 self._fail(output.request_id, error)
-        processed = self.output_processor.process_outputs(normal)
+        iteration_stats = IterationStats() if self.stat_logger is not None else None
+        processed = self.output_processor.process_outputs(normal, iteration_stats=iteration_stats)
+        if iteration_stats is not None:
+            self.stat_logger.record(iteration_stats)
         if processed.reqs_to_abort and self.engine_core is not None:
             # Finished by a stop string here; still running in the engine.
             self.engine_core.abort_requests(processed.reqs_to_abort)

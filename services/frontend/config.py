@@ -19,12 +19,15 @@ class FrontendServiceConfig:
 
     ``model`` None is the default model; ``max_model_len`` None is the
     model's limit capped at 2048, as on the workers (pass the workers' value
-    when they use another). ``port`` 0 picks a free port. ``tls`` serves the
-    public API over TLS (its certificate and key) and authenticates the
-    frontend to the scheduler (the same certificate, checked against its CA);
-    ``cluster_secret`` goes with every scheduler call. ``resubmit_grace_s``
-    is how long requests wait for a restarted scheduler (see AsyncLLM);
-    ``request_limits`` bound each request before it is tokenized.
+    when they use another). ``port`` 0 picks a free port. ``http_port`` serves
+    the HTTP API (OpenAI's, ``/metrics``, the dashboard) on ``host`` too: 0
+    picks a free port, None serves none (the command line's default is 8000).
+    ``api_keys`` / ``admin_api_keys``: see services/frontend/auth.py. ``tls``
+    serves the public APIs over TLS (its certificate and key) and
+    authenticates the frontend to the scheduler (the same certificate, checked
+    against its CA); ``cluster_secret`` goes with every scheduler call.
+    ``resubmit_grace_s`` is how long requests wait for a restarted scheduler
+    (see AsyncLLM); ``request_limits`` bound each request before it is tokenized.
     """
 
     host: str = "127.0.0.1"
@@ -34,14 +37,19 @@ class FrontendServiceConfig:
     max_model_len: int | None = None
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     stream_interval: int = 1
+    http_port: int | None = None
+    api_keys: tuple[str, ...] = ()
+    admin_api_keys: tuple[str, ...] = ()
     resubmit_grace_s: float = 30.0
     request_limits: RequestLimits = field(default_factory=RequestLimits)
     tls: TlsConfig | None = None
     cluster_secret: str | None = None
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port is {self.port}, must be in [0, 65535]")
+        for name in ("port", "http_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ValueError(f"{name} is {value}, must be in [0, 65535]")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len is {self.max_model_len}, must be >= 2")
         if self.max_logprobs < 0:

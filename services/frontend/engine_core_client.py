@@ -96,10 +96,11 @@ class EngineCoreClient:
         if request_ids and self.connected:
             self._send(abort_message(request_ids))
 
-    async def get_stats(self, timeout_s: float = _STATS_TIMEOUT_S) -> api_pb2.ClusterStats:
+    async def get_stats(self, include_block_map: bool = False,
+                        timeout_s: float = _STATS_TIMEOUT_S) -> api_pb2.ClusterStats:
         """The scheduler's GetStats (raises grpc.aio.AioRpcError on failure)."""
-        return await self._stub.GetStats(api_pb2.GetStatsRequest(), timeout=timeout_s,
-                                         metadata=self._metadata)
+        request = api_pb2.GetStatsRequest(include_block_map=include_block_map)
+        return await self._stub.GetStats(request, timeout=timeout_s, metadata=self._metadata)
 
     async def close(self) -> None:
         if self._task is not None:

@@ -20,7 +20,7 @@ from services.common.validation import (
     validate_prompt,
     validate_sampling_params,
 )
-from services.frontend.tokenizer import ChatMessage, encode_chat, encode_prompt
+from services.frontend.tokenizer import ChatMessage, encode_chat, encode_prompt, tokenize
 
 # A prompt: text, token ids, or chat messages ({"role", "content"} dicts).
 PromptType = str | Sequence[int] | Sequence[ChatMessage]
@@ -84,6 +84,14 @@ class InputProcessor:
         raise ValidationError(
             "prompt", "prompt must be a string, a list of token ids or a list of chat messages"
         )
+
+    def tokenize(self, prompt: str | Sequence[ChatMessage], *, add_special_tokens: bool = True,
+                 add_generation_prompt: bool = True) -> list[int]:
+        """What the Tokenize APIs return (see tokenizer.tokenize), once the
+        prompt's size bounds are checked; slow for long prompts, so call it on a thread."""
+        self.check_prompt_size(prompt)
+        return tokenize(self.tokenizer, prompt, add_special_tokens=add_special_tokens,
+                        add_generation_prompt=add_generation_prompt)
 
     def check_prompt_size(self, prompt: PromptType) -> None:
         """ValidationError when text or chat messages exceed ``limits`` (roles too)."""

@@ -60,3 +60,46 @@ class RequestStateStats:
         if self.finished_time is None:
             return None
         return self.finished_time - self.arrival_time
+
+
+@dataclass(slots=True)
+class FinishedRequestStats:
+    """One finished request (one child of an n>1 request), for the stat logger."""
+
+    finish_reason: str
+    e2e_latency_s: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    mean_time_per_output_token_s: float | None
+
+
+@dataclass(slots=True)
+class IterationStats:
+    """What one EngineCoreOutputs message brought, for the stat logger (vLLM's
+    IterationStats). Prompt tokens count when a request's first token arrives."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    time_to_first_tokens_s: list[float] = field(default_factory=list)
+    inter_token_latencies_s: list[float] = field(default_factory=list)
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+
+    def observe_tokens(
+        self, stats: RequestStateStats, num_new_tokens: int, previous_token_time: float | None
+    ) -> None:
+        """Records tokens ``stats`` just observed; ``previous_token_time`` is its
+        ``last_token_time`` from before (None: these are its first tokens)."""
+        if num_new_tokens <= 0:
+            return
+        self.num_generation_tokens += num_new_tokens
+        if previous_token_time is None:
+            self.num_prompt_tokens += stats.num_prompt_tokens
+            self.time_to_first_tokens_s.append(stats.ttft_s)
+        else:
+            self.inter_token_latencies_s.append(stats.last_token_time - previous_token_time)
+
+    def observe_finished(self, stats: RequestStateStats, finish_reason: str) -> None:
+        self.finished_requests.append(FinishedRequestStats(
+            finish_reason, stats.e2e_latency_s or 0.0, stats.num_prompt_tokens,
+            stats.num_generation_tokens, stats.tpot_s,
+        ))

@@ -21,7 +21,7 @@ from services.common.sampling_params import RequestOutputKind
 from services.frontend.detokenizer import IncrementalDetokenizer
 from services.frontend.input_processor import external_request_id
 from services.frontend.logprobs_processor import LogprobsProcessor
-from services.frontend.metrics import RequestStateStats
+from services.frontend.metrics import IterationStats, RequestStateStats
 from services.frontend.outputs import CompletionOutput, RequestOutput
 from services.frontend.parent_request import ParentRequest
 
@@ -182,12 +182,17 @@ class OutputProcessor:
         return children
 
     def process_outputs(
-        self, outputs: list[EngineCoreOutput], engine_timestamp: float | None = None
+        self,
+        outputs: list[EngineCoreOutput],
+        engine_timestamp: float | None = None,
+        iteration_stats: IterationStats | None = None,
     ) -> OutputProcessorOutput:
         """Detokenizes, checks stop strings and builds the RequestOutputs due now.
 
         ``engine_timestamp`` (wall-clock seconds) times the tokens; default now.
-        Outputs for unknown (e.g. already aborted) requests are ignored.
+        Outputs for unknown (e.g. already aborted) requests are ignored. Token
+        counts, latencies and finished requests go into ``iteration_stats``
+        when given.
         """
         now = time.time() if engine_timestamp is None else engine_timestamp
         result = OutputProcessorOutput()
@@ -207,9 +212,14 @@ class OutputProcessor:
                 output.new_logprobs, output.new_prompt_logprobs, num_kept
             )
             state.stats.num_cached_tokens = output.num_cached_tokens
+            previous_token_time = state.stats.last_token_time
             state.stats.observe_tokens(num_kept, now)
+            if iteration_stats is not None:
+                iteration_stats.observe_tokens(state.stats, num_kept, previous_token_time)
             if finish_reason is not None:
                 state.stats.observe_finished(now)
+                if iteration_stats is not None:
+                    iteration_stats.observe_finished(state.stats, str(finish_reason))
                 self._finish_request(state)
                 if not output.finished:
                     result.reqs_to_abort.append(output.request_id)

@@ -1,4 +1,5 @@
-"""The frontend gRPC service: the public ``kvmesh.v1.Generation`` API.
+"""The frontend gRPC service: the public ``kvmesh.v1.Generation`` API, and beside it
+the HTTP API (services/frontend/http) on the same event loop and AsyncLLM.
 
 Start-up order: listen at once with health NOT_SERVING, load the tokenizer,
 open the one FrontendStream to the scheduler, then report SERVING once the
@@ -6,7 +7,8 @@ scheduler answers and has a worker. Health is NOT_SERVING while the scheduler
 stream is down, while the scheduler does not answer or has no worker, and
 while draining. Status codes: INVALID_ARGUMENT for a bad request (the message
 names the field and its allowed range), UNAVAILABLE when no scheduler or
-worker can serve, RESOURCE_EXHAUSTED when the scheduler's queue is full.
+worker can serve, RESOURCE_EXHAUSTED when the scheduler's queue is full,
+UNAUTHENTICATED / PERMISSION_DENIED when API keys are on (auth.py).
 
 ``python -m services.frontend.server --port 50051 --scheduler-address HOST:PORT``
 """
@@ -17,6 +19,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import secrets
 from contextlib import aclosing
 
@@ -31,26 +34,34 @@ from services.common.rpc import SERVER_OPTIONS, DecodeErrorInterceptor
 from services.common.security import add_security_args, bind, read_cluster_secret, tls_from_args
 from services.frontend import api_convert
 from services.frontend.async_llm import AsyncLLM, RequestFailedError
+from services.frontend.auth import ApiKeyAuth, AuthError, Role, parse_api_keys
 from services.frontend.config import FrontendServiceConfig, ModelInfo, read_model_info
 from services.frontend.engine_core_client import EngineCoreClient
-from services.frontend.input_processor import InputProcessor, PromptType
-from services.frontend.output_processor import OutputProcessor
 from services.common.validation import (
     DEFAULT_MAX_LOGPROBS,
     RequestLimits,
     ValidationError,
     check_token_ids,
 )
+from services.frontend.http.app import HttpState, build_app
+from services.frontend.http.server import HttpServer
+from services.frontend.input_processor import InputProcessor
+from services.frontend.output_processor import OutputProcessor
+from services.frontend.stat_logger import PrometheusStatLogger
 from services.frontend.tokenizer import load_eos_token_ids, load_tokenizer, longest_token_bytes
 
 logger = logging.getLogger(__name__)
 
 GENERATION_SERVICE = api_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 _HEALTH_CHECK_INTERVAL_S = 1.0
+_AUTHORIZATION_METADATA_KEY = "authorization"
+
+
 class GenerationServicer(api_pb2_grpc.GenerationServicer):
     """The public API over an AsyncLLM; answers UNAVAILABLE until ``ready``."""
 
-    def __init__(self) -> None:
+    def __init__(self, auth: ApiKeyAuth | None = None) -> None:
+        self.auth = auth or ApiKeyAuth()
         self.engine: AsyncLLM | None = None
         self.model_info: ModelInfo | None = None
         self.engine_core: EngineCoreClient | None = None
@@ -58,12 +69,23 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
     def ready(self, engine: AsyncLLM, model_info: ModelInfo, engine_core: EngineCoreClient) -> None:
         self.engine, self.model_info, self.engine_core = engine, model_info, engine_core
 
+    async def _authorize(self, context: grpc.aio.ServicerContext, role: Role) -> str | None:
+        """The call's API key (None while keys are off); aborts the call without one."""
+        metadata = dict(context.invocation_metadata() or ())
+        try:
+            return self.auth.check(metadata.get(_AUTHORIZATION_METADATA_KEY), role)
+        except AuthError as e:
+            code = (grpc.StatusCode.PERMISSION_DENIED if e.forbidden
+                    else grpc.StatusCode.UNAUTHENTICATED)
+            await context.abort(code, e.message)
+
     async def _engine(self, context: grpc.aio.ServicerContext) -> AsyncLLM:
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the frontend is still starting")
         return self.engine
 
     async def Generate(self, request: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        key = await self._authorize(context, Role.USER)
         engine = await self._engine(context)
         client_request_id = request.request_id or f"req-{secrets.token_hex(8)}"
         try:
@@ -71,7 +93,8 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             params = api_convert.sampling_params_from_api(
                 request.sampling_params, request.HasField("sampling_params")
             )
-            cache_salt = request.cache_salt if request.HasField("cache_salt") else None
+            requested_salt = request.cache_salt if request.HasField("cache_salt") else None
+            cache_salt = self.auth.cache_salt(key, requested_salt)
             stream = engine.generate(
                 client_request_id, prompt, params, priority=request.priority, cache_salt=cache_salt
             )
@@ -88,11 +111,12 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             await context.abort(e.code, e.message)
 
     async def Tokenize(self, request: api_pb2.TokenizeRequest, context) -> api_pb2.TokenizeResponse:
+        await self._authorize(context, Role.USER)
         engine = await self._engine(context)
         try:
             prompt = api_convert.prompt_from_api(request)
-            ids = await asyncio.to_thread(_tokenize, engine.input_processor, prompt,
-                                          request.add_special_tokens)
+            ids = await asyncio.to_thread(engine.input_processor.tokenize, prompt,
+                                          add_special_tokens=request.add_special_tokens)
         except ValidationError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return api_pb2.TokenizeResponse(token_ids=ids)
@@ -100,6 +124,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
     async def Detokenize(
         self, request: api_pb2.DetokenizeRequest, context
     ) -> api_pb2.DetokenizeResponse:
+        await self._authorize(context, Role.USER)
         engine = await self._engine(context)
         try:
             check_token_ids("token_ids", request.token_ids, self.model_info.vocab_size)
@@ -113,30 +138,20 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
     async def GetModelInfo(
         self, request: api_pb2.GetModelInfoRequest, context
     ) -> api_pb2.ModelInfo:
+        await self._authorize(context, Role.USER)
         await self._engine(context)
         info = self.model_info
         return api_pb2.ModelInfo(model=info.name, max_model_len=info.max_model_len,
                                  vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids)
 
     async def GetStats(self, request: api_pb2.GetStatsRequest, context) -> api_pb2.ClusterStats:
+        await self._authorize(context, Role.ADMIN)
         await self._engine(context)
         try:
-            return await self.engine_core.get_stats()
+            return await self.engine_core.get_stats(request.include_block_map)
         except grpc.aio.AioRpcError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"scheduler GetStats failed: {e.code().name}: {e.details()}")
-
-
-def _tokenize(input_processor: InputProcessor, prompt: PromptType,
-              add_special_tokens: bool) -> list[int]:
-    """Tokenize's ids; the prompt's size bounds are checked first (on a thread)."""
-    if isinstance(prompt, str):
-        if not add_special_tokens:
-            input_processor.check_prompt_size(prompt)
-            return input_processor.tokenizer.encode(prompt, add_special_tokens=False)
-    elif not (prompt and isinstance(prompt[0], dict)):
-        raise ValidationError("prompt", "Tokenize takes text or chat messages")
-    return input_processor.render_prompt(prompt)[1]
 
 
 class FrontendServer:
@@ -147,8 +162,14 @@ class FrontendServer:
         self.server = grpc.aio.server(options=SERVER_OPTIONS,
                                       interceptors=[DecodeErrorInterceptor()])
         self.health = health.aio.HealthServicer()
-        self.servicer = GenerationServicer()
+        auth = ApiKeyAuth(config.api_keys, config.admin_api_keys)
+        self.servicer = GenerationServicer(auth)
         self.engine_core: EngineCoreClient | None = None
+        self.http_state = HttpState(self.servicer, auth)
+        self.http: HttpServer | None = None
+        if config.http_port is not None:
+            self.http = HttpServer(build_app(self.http_state), config.host, config.http_port,
+                                   config.tls)
         self._health_task: asyncio.Task | None = None
         self._health_poke = asyncio.Event()
         api_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
@@ -182,7 +203,7 @@ class FrontendServer:
             self._health_poke.clear()
             can_serve = await self._cluster_can_serve()
             if can_serve != serving:
-                serving = can_serve
+                serving = self.http_state.cluster_serving = can_serve
                 await self._set_serving(serving)
                 logger.info("event=frontend_health serving=%s", serving)
             if serving:
@@ -208,7 +229,10 @@ class FrontendServer:
         """
         await self._set_serving(False)
         await self.server.start()
-        logger.info("event=frontend_listening address=%s", self.address)
+        if self.http is not None:
+            await self.http.start()
+        logger.info("event=frontend_listening address=%s http=%s", self.address,
+                    self.http.url if self.http is not None else "off")
         engine, model_info = await asyncio.to_thread(self._build_engine)
         self.engine_core = EngineCoreClient(
             self.config.scheduler_address,
@@ -245,14 +269,20 @@ class FrontendServer:
         input_processor = InputProcessor(tokenizer, info.max_model_len, info.vocab_size,
                                          info.eos_token_ids, self.config.max_logprobs, limits)
         output_processor = OutputProcessor(tokenizer, self.config.stream_interval)
-        return AsyncLLM(input_processor, output_processor, self.config.resubmit_grace_s), info
+        stat_logger = PrometheusStatLogger(info.name, info.max_model_len)
+        return AsyncLLM(input_processor, output_processor, self.config.resubmit_grace_s,
+                        stat_logger), info
 
     async def stop(self, grace_s: float | None = 5.0) -> None:
         """NOT_SERVING, lets streams finish for ``grace_s``, then closes the scheduler stream."""
         await self.health.enter_graceful_shutdown()
         if self._health_task is not None:
             self._health_task.cancel()
-        await self.server.stop(grace_s)
+        if self.http is None:
+            await self.server.stop(grace_s)
+        else:
+            self.http_state.draining = True
+            await asyncio.gather(self.server.stop(grace_s), self.http.stop(grace_s))
         if self.engine_core is not None:
             await self.engine_core.close()
         logger.info("event=frontend_stopped address=%s", self.address)
@@ -268,7 +298,8 @@ async def serve_frontend(config: FrontendServiceConfig) -> FrontendServer:
     return server
 
 
-def parse_args(argv: list[str] | None = None) -> FrontendServiceConfig:
+def parse_args(argv: list[str] | None = None) -> tuple[FrontendServiceConfig, str]:
+    """The service's config and the log level."""
     p = argparse.ArgumentParser(prog="python -m services.frontend.server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
@@ -282,6 +313,15 @@ def parse_args(argv: list[str] | None = None) -> FrontendServiceConfig:
                    help="how long requests wait for a restarted scheduler before failing")
     RequestLimits.add_cli_args(p)
     add_security_args(p)
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="the HTTP API (OpenAI, /metrics, /dashboard) on --host; 0: a free port")
+    p.add_argument("--no-http", action="store_true", help="serve no HTTP API")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY[,KEY...]",
+                   help="require one of these keys (repeatable; default: $KVMESH_API_KEY)")
+    p.add_argument("--admin-api-key", action="append", default=None, metavar="KEY[,KEY...]",
+                   help="keys for GetStats, /stats and /metrics, which show every tenant's "
+                        "activity (default: $KVMESH_ADMIN_API_KEY)")
+    p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     return FrontendServiceConfig(
         host=args.host, port=args.port, scheduler_address=args.scheduler_address,
@@ -290,7 +330,11 @@ def parse_args(argv: list[str] | None = None) -> FrontendServiceConfig:
         request_limits=RequestLimits.from_cli_args(args),
         tls=tls_from_args(args),
         cluster_secret=read_cluster_secret(args.cluster_secret_file),
-    )
+        http_port=None if args.no_http else args.http_port,
+        api_keys=parse_api_keys(args.api_key or [os.environ.get("KVMESH_API_KEY", "")]),
+        admin_api_keys=parse_api_keys(
+            args.admin_api_key or [os.environ.get("KVMESH_ADMIN_API_KEY", "")]),
+    ), args.log_level
 
 
 async def _main(config: FrontendServiceConfig) -> None:
@@ -301,8 +345,9 @@ async def _main(config: FrontendServiceConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    configure_logging()
-    asyncio.run(_main(parse_args(argv)))
+    config, log_level = parse_args(argv)
+    configure_logging(log_level)
+    asyncio.run(_main(config))
 
 
 if __name__ == "__main__":

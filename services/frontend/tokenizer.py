@@ -119,3 +119,24 @@ def _dedupe_leading_bos(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> l
     if bos is not None and ids[:2] == [bos, bos] and tokenizer_adds_bos(tokenizer):
         return ids[1:]
     return ids
+
+
+def tokenize(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: str | Sequence[ChatMessage],
+    *,
+    add_special_tokens: bool = True,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """The token ids the Tokenize APIs return: text (with or without the model's
+    special tokens) or chat messages through the chat template.
+
+    Raises ValidationError("prompt") for anything else, an empty chat included.
+    """
+    if isinstance(prompt, str):
+        if add_special_tokens:
+            return encode_prompt(tokenizer, prompt)
+        return tokenizer.encode(prompt, add_special_tokens=False)
+    if prompt and all(isinstance(message, dict) for message in prompt):
+        return encode_chat(tokenizer, prompt, add_generation_prompt=add_generation_prompt)[1]
+    raise ValidationError("prompt", "Tokenize takes text or chat messages")

@@ -36,6 +36,7 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
         self.num_cached_blocks = 0
+        self.num_evicted_blocks = 0  # cumulative: cached blocks popped for new KV
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         # When each block was last appended to the free queue: the order of the
@@ -96,6 +97,7 @@ class BlockPool:
             del self.cached_block_hash_to_block[block.block_hash]
         block.reset_hash()
         self.num_cached_blocks -= 1
+        self.num_evicted_blocks += 1
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Takes a reference on prefix-hit blocks; a free one leaves the free queue."""

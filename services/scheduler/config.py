@@ -118,8 +118,9 @@ class SchedulerServiceConfig:
     prefix-hit tokens one queued request on a worker is worth when placing
     requests (see router.Router). ``max_logprobs`` bounds the logprobs a
     request may ask for (the frontend's bound, checked again here).
-    ``tls`` encrypts the server (mutual TLS when it names a CA);
-    ``cluster_secret``, when set, is required on every EngineCore call.
+    ``metrics_port`` serves Prometheus ``/metrics`` on ``host`` (0: a free
+    port; None: off). ``tls`` encrypts the server (mutual TLS when it names a
+    CA); ``cluster_secret``, when set, is required on every EngineCore call.
     A worker that does not answer a step within ``worker_step_timeout_s`` is
     declared lost and its requests are re-placed (a frozen worker).
     ``fault_exit_after_step`` is fault injection for tests, 0 (off) by default:
@@ -139,10 +140,13 @@ class SchedulerServiceConfig:
     fault_exit_after_step: float = 0.0
     tls: TlsConfig | None = None
     cluster_secret: str | None = None
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port is {self.port}, must be in [0, 65535]")
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ValueError(f"{name} is {value}, must be in [0, 65535]")
         if self.load_weight_tokens < 0:
             raise ValueError(f"load_weight_tokens is {self.load_weight_tokens}, must be >= 0")
         _check_at_least("max_logprobs", self.max_logprobs, 0)

@@ -30,6 +30,7 @@ from services.common.stats import SchedulerStats
 from services.common.validation import ValidationError, validate_engine_core_request
 from services.scheduler.config import SchedulerServiceConfig, make_scheduler_config
 from services.scheduler.kv_store import KVStore
+from services.scheduler.metrics import SchedulerMetrics, WorkerSnapshot
 from services.scheduler.request import Request
 from services.scheduler.router import RequestFactory, Router
 from services.scheduler.scheduler import Scheduler, WaitingQueueFullError
@@ -114,6 +115,7 @@ class Coordinator:
         self.draining = False
         self._next_client_index = 0
         self._next_engine_index = 0
+        self.metrics = SchedulerMetrics(lambda: self.model or "", self.metrics_snapshots)
 
     # ------------------------------------------------------------ frontends
 
@@ -194,7 +196,7 @@ class Coordinator:
     def _place(self, client: ClientStream, req_id: str, make_request: RequestFactory,
                num_failovers: int = 0) -> None:
         full: list[str] = []
-        for session, request in self.router.rank(make_request, self.sessions.values()):
+        for session, request, hit_tokens in self.router.rank(make_request, self.sessions.values()):
             try:
                 session.add_request(request)
             except WaitingQueueFullError as e:
@@ -205,6 +207,8 @@ class Coordinator:
                 return
             self.placements[req_id] = Placement(session, client, num_failovers)
             client.request_ids.add(req_id)
+            reason = "fallback" if full else "prefix_hit" if hit_tokens else "least_loaded"
+            self.metrics.placements.labels(self.model, reason).inc()
             logger.info("event=request_placed request_id=%s worker=%s num_tokens=%d",
                         req_id, session.worker_id, request.num_tokens)
             return
@@ -283,12 +287,13 @@ class Coordinator:
         engine_index = self._next_engine_index
         config = make_scheduler_config(self.config.scheduling, registration, engine_index)
         # Recovers the stored prefix cache, but what the worker may have overwritten.
-        scheduler = Scheduler(config, store, registration.dirty_block_ids)
+        scheduler = Scheduler(config, store, registration.dirty_block_ids, log_stats=True)
         self.model = model
         self.vocab_size = registration.vocab_size
         self._next_engine_index += 1
         worker_id = registration.worker_id
         session = WorkerSession(worker_id, engine_index, scheduler, store, self.route_outputs,
+                                self.metrics.for_worker(model, worker_id),
                                 registration.vocab_size, self.config.worker_step_timeout_s,
                                 self.config.fault_exit_after_step)
         self.sessions[worker_id] = session
@@ -305,10 +310,13 @@ class Coordinator:
             return
         del self.sessions[session.worker_id]
         session.close()
+        session.metrics.remove()
         orphans = session.unfinished_requests()
         self.stores.release(session.store)
         logger.info("event=worker_removed worker=%s reason=%r num_requeued=%d",
                     session.worker_id, reason, len(orphans))
+        if not self.draining:
+            self.metrics.worker_failovers.labels(self.model).inc()
         for old in orphans:
             placement = self.placements.pop(old.request_id, None)
             if placement is None:
@@ -324,6 +332,7 @@ class Coordinator:
                        else f"worker {session.worker_id} was lost and no worker is left")
                 self._refuse(client, old.request_id, grpc.StatusCode.UNAVAILABLE, why)
             else:
+                self.metrics.requests_replaced.labels(self.model).inc()
                 self._place(client, old.request_id, _requeued(old), placement.num_failovers + 1)
         # Requests it had refused (IGNORED) but not yet reported: say so now.
         for req_id in [r for r, p in self.placements.items() if p.session is session]:
@@ -349,8 +358,15 @@ class Coordinator:
 
     # ------------------------------------------------------------ stats
 
-    def stats(self) -> list[tuple[str, SchedulerStats]]:
-        return [(worker_id, s.scheduler.make_stats()) for worker_id, s in self.sessions.items()]
+    def stats(self, include_block_map: bool = False) -> list[tuple[str, SchedulerStats]]:
+        return [(worker_id, s.make_stats(include_block_map))
+                for worker_id, s in self.sessions.items()]
+
+    def metrics_snapshots(self) -> list[WorkerSnapshot]:
+        now = time.monotonic()
+        return [WorkerSnapshot(worker_id, s.make_stats(), s.store.mirror_lag_s(now),
+                               s.store.num_write_errors)
+                for worker_id, s in self.sessions.items()]
 
 
 def _requeued(old: Request) -> RequestFactory:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import replace
 
 import redis
@@ -64,7 +65,9 @@ class MirroredKVStore:
         self._closing = False
         self.durable_step_id = -1
         self.is_behind = not reachable
-        self.num_errors = 0
+        self.num_write_errors = 0
+        # Since when the mirror has lacked changes it was sent (None: in sync).
+        self._behind_since: float | None = None if reachable else time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"kv-mirror-{worker_id}",
                                         daemon=True)
         self._thread.start()
@@ -77,6 +80,10 @@ class MirroredKVStore:
 
     def wants_full_state(self) -> bool:
         return self._want_full
+
+    def mirror_lag_s(self, now: float) -> float:
+        behind_since = self._behind_since
+        return 0.0 if behind_since is None else now - behind_since
 
     def apply(self, delta: KVStateDelta) -> None:
         """Queues ``delta`` (merged with what is still unwritten); never blocks on Redis."""
@@ -133,6 +140,7 @@ class MirroredKVStore:
             self.durable_step_id = delta.step_id
             if self.is_behind and self._pending is None and not self._want_full:
                 self.is_behind = False
+                self._behind_since = None
                 logger.info("event=kv_mirror_resynced worker=%s step_id=%d",
                             self.worker_id, delta.step_id)
             self._work.notify_all()
@@ -140,10 +148,11 @@ class MirroredKVStore:
 
     def _on_failure(self, delta: KVStateDelta, error: redis.RedisError) -> None:
         with self._work:
-            self.num_errors += 1
+            self.num_write_errors += 1
             if not self.is_behind:
                 logger.warning("event=kv_mirror_behind worker=%s error=%r", self.worker_id,
                                error)
+                self._behind_since = time.monotonic()
             self.is_behind = True
             if delta.clear:
                 # A whole state is still whole: keep it, with newer deltas on top.

@@ -95,6 +95,10 @@ class KVStore(Protocol):
     def durable_step_id(self) -> int:
         """The ``step_id`` of the newest delta known to be in the store (-1: none)."""
 
+    @property
+    def num_write_errors(self) -> int:
+        """Failed writes, cumulative (a mirrored store retries them)."""
+
     def apply(self, delta: KVStateDelta) -> None:
         """Writes a delta in one round trip (or queues it, for a mirrored store)."""
 
@@ -104,6 +108,10 @@ class KVStore(Protocol):
     def wants_full_state(self) -> bool:
         """True when the next delta must be a clear one carrying the whole state
         (the store may have lost writes)."""
+
+    def mirror_lag_s(self, now: float) -> float:
+        """How long (time.monotonic() seconds) the store has lacked changes it
+        was sent; 0 while it mirrors everything."""
 
 
 def _merge(target: dict[K, list[int]], updates: dict[K, list[int] | None]) -> None:
@@ -121,9 +129,13 @@ class InMemoryKVStore:
         self._state: KVStateSnapshot | None = None
         self._free_seq: dict[int, int] = {}
         self.durable_step_id = -1
+        self.num_write_errors = 0
 
     def wants_full_state(self) -> bool:
         return False
+
+    def mirror_lag_s(self, now: float) -> float:
+        return 0.0
 
     def apply(self, delta: KVStateDelta) -> None:
         if delta.clear or self._state is None:
@@ -185,6 +197,11 @@ class RedisKVStore:
         self.block_tokens_key = prefix + "block_tokens"
         self.free_seq_key = prefix + "free_seq"
         self.req_blocks_key = prefix + "req_blocks"
+        # Synchronous: a write either lands or raises (MirroredKVStore counts).
+        self.num_write_errors = 0
+
+    def mirror_lag_s(self, now: float) -> float:
+        return 0.0
 
     def _all_keys(self) -> list[str]:
         return [self.meta_key, self.prefix_key, self.block_tokens_key,

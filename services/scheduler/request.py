@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 from services.common.engine import EngineCoreRequest, FinishReason
 from services.common.sampling_params import SamplingParams
@@ -38,6 +39,16 @@ _FINISHED_REASONS = {
 }
 
 
+@dataclass(slots=True, frozen=True)
+class RequestTimes:
+    """Where a finished request spent its time on one worker, in seconds (vLLM's
+    queue, prefill and decode times)."""
+
+    queue_time_s: float  # queued -> first scheduled
+    prefill_time_s: float  # first scheduled -> first token
+    decode_time_s: float  # first token -> finished
+
+
 class Request:
     """One request's state inside the scheduler.
 
@@ -53,7 +64,7 @@ class Request:
         "eos_token_id", "cache_salt", "prompt_token_ids", "output_token_ids",
         "all_token_ids", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
         "status", "stop_reason", "finish_message", "block_hashes", "max_tokens",
-        "_block_hasher",
+        "queued_time", "scheduled_time", "first_token_time", "_block_hasher",
     )
 
     def __init__(
@@ -86,6 +97,11 @@ class Request:
         self.stop_reason: int | str | None = None
         self.finish_message = ""
         self.max_tokens = sampling_params.max_tokens
+        # time.monotonic() when the scheduler queued it, first scheduled it
+        # and got its first token (RequestTimes).
+        self.queued_time = 0.0
+        self.scheduled_time: float | None = None
+        self.first_token_time: float | None = None
         self._block_hasher = block_hasher
         self.block_hashes: list[BlockHash] = []
         if block_hasher is not None:
@@ -137,6 +153,14 @@ class Request:
         self.all_token_ids.extend(token_ids)
         if self._block_hasher is not None:
             self.block_hashes.extend(self._block_hasher(self))
+
+    def times(self, finished_time: float) -> RequestTimes:
+        """Its RequestTimes when it finishes at ``finished_time`` (monotonic);
+        a phase it never reached lasts 0."""
+        scheduled = self.scheduled_time if self.scheduled_time is not None else finished_time
+        first_token = self.first_token_time if self.first_token_time is not None else finished_time
+        return RequestTimes(scheduled - self.queued_time, first_token - scheduled,
+                            finished_time - first_token)
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

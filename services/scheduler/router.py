@@ -61,14 +61,15 @@ class Router:
 
     def rank(
         self, make_request: RequestFactory, sessions: Iterable[WorkerSession]
-    ) -> list[tuple[WorkerSession, Request]]:
-        """Candidates best first, each with the Request built for its block size.
+    ) -> list[tuple[WorkerSession, Request, int]]:
+        """Candidates best first, each with the Request built for its block size
+        and the number of its tokens that worker's prefix cache holds.
 
         Workers that share a block size share one Request, so each request is
         hashed once per distinct block size (in practice once).
         """
         requests: dict[int | None, Request] = {}
-        ranked: list[tuple[float, int, int, WorkerSession, Request]] = []
+        ranked: list[tuple[float, int, int, WorkerSession, Request, int]] = []
         for session in sessions:
             scheduler = session.scheduler
             config = scheduler.config
@@ -77,10 +78,11 @@ class Router:
             if request is None:
                 request = requests[key] = make_request(self._hasher(key))
             load = scheduler.get_num_unfinished_requests()
-            score = prefix_hit_tokens(scheduler, request) - self.load_weight_tokens * load
-            ranked.append((-score, load, session.engine_index, session, request))
+            hit_tokens = prefix_hit_tokens(scheduler, request)
+            score = hit_tokens - self.load_weight_tokens * load
+            ranked.append((-score, load, session.engine_index, session, request, hit_tokens))
         ranked.sort(key=lambda entry: entry[:3])
-        return [(session, request) for *_, session, request in ranked]
+        return [entry[3:] for entry in ranked]
 
     def _hasher(self, block_size: int | None) -> BlockHasher | None:
         if block_size is None:

@@ -34,7 +34,7 @@ from services.scheduler.block_hash import get_request_block_hasher
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.kv_store import KVStore
-from services.scheduler.request import Request, RequestStatus
+from services.scheduler.request import Request, RequestStatus, RequestTimes
 from services.scheduler.request_queue import SchedulingPolicy, create_request_queue
 from services.scheduler.stop import check_stop
 
@@ -52,10 +52,13 @@ class Scheduler:
     ``update_from_output()``. The scheduler's in-memory state is authoritative;
     ``update_from_output`` mirrors each step's block changes to the store as
     one delta, once the worker has computed the step.
+
+    With ``log_stats``, every request that finishes in ``update_from_output``
+    leaves its RequestTimes in ``finished_req_times`` for the caller to take.
     """
 
     def __init__(self, config: SchedulerConfig, store: KVStore | None = None,
-                 dirty_block_ids: Collection[int] = ()) -> None:
+                 dirty_block_ids: Collection[int] = (), *, log_stats: bool = False) -> None:
         self.config = config
         # A request that outgrows the pool could only preempt itself forever,
         # so the pool's capacity caps the model length like max_model_len does.
@@ -83,6 +86,7 @@ class Scheduler:
         self._num_preemptions = 0
         self._prefix_cache_queries = 0
         self._prefix_cache_hits = 0
+        self.finished_req_times: list[RequestTimes] | None = [] if log_stats else None
 
     # ------------------------------------------------------------ requests
 
@@ -112,6 +116,7 @@ class Scheduler:
                 self._make_output(request, [], None, None)
             )
             return
+        request.queued_time = time.monotonic()
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
 
@@ -312,8 +317,9 @@ class Scheduler:
                     num_computed_tokens=num_computed_tokens,
                     output_token_ids=list(request.output_token_ids),
                 ))
-            if request.num_cached_tokens < 0:
+            if request.num_cached_tokens < 0:  # scheduled for the first time
                 request.num_cached_tokens = num_computed_tokens
+                request.scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed_tokens + num_new_tokens
             output.num_scheduled_tokens[req_id] = num_new_tokens
@@ -334,6 +340,8 @@ class Scheduler:
         since the last call; ends with one commit to the store.
         """
         outputs, self._pending_outputs = self._pending_outputs, {}
+        now = time.monotonic()
+        finished_req_times = self.finished_req_times
         logprobs = model_runner_output.logprobs
         prompt_logprobs = model_runner_output.prompt_logprobs
         requests = self.requests
@@ -345,12 +353,16 @@ class Scheduler:
             if request is None or request.status is not running_status or req_id not in scheduled:
                 continue
             new_token_ids, stopped = self._append_tokens(request, sampled)
+            if request.first_token_time is None and new_token_ids:
+                request.first_token_time = now
             new_logprobs = logprobs.get(req_id) if logprobs else None
             if new_logprobs is not None and len(new_token_ids) < len(sampled):
                 new_logprobs = _first_rows(new_logprobs, len(new_token_ids))
             new_prompt_logprobs = prompt_logprobs.get(req_id) if prompt_logprobs else None
             if stopped:
                 any_stopped = True
+                if finished_req_times is not None:
+                    finished_req_times.append(request.times(now))
                 self._free_request(request)
             elif not new_token_ids and new_prompt_logprobs is None:
                 continue  # a prefill chunk with nothing to report
@@ -363,10 +375,9 @@ class Scheduler:
         if any_stopped:
             self.running = [r for r in self.running if r.status is running_status]
         self.kv_cache_manager.commit(scheduler_output.step_id)
-        timestamp = time.monotonic()
         engine_index = self.config.engine_index
         return {
-            client_index: EngineCoreOutputs(client_outputs, engine_index, timestamp)
+            client_index: EngineCoreOutputs(client_outputs, engine_index, now)
             for client_index, client_outputs in outputs.items()
         }
 
@@ -421,6 +432,7 @@ class Scheduler:
             num_preemptions=self._num_preemptions,
             prefix_cache_queries=self._prefix_cache_queries,
             prefix_cache_hits=self._prefix_cache_hits,
+            num_evicted_blocks=kv.block_pool.num_evicted_blocks,
         )
 
 

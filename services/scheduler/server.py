@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.process import configure_logging, wait_for_shutdown_signal
+from services.common.prometheus import MetricsServer
 from services.common.rpc import SERVER_OPTIONS, DecodeErrorInterceptor
 from services.common.security import (
     ClusterSecretInterceptor,
@@ -57,6 +58,10 @@ class SchedulerServer:
             (ENGINE_CORE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
         )
         self.port = 0
+        self.metrics_server: MetricsServer | None = None
+        if config.metrics_port is not None:
+            self.metrics_server = MetricsServer(self.coordinator.metrics.registry, config.host,
+                                                config.metrics_port)
 
     @property
     def address(self) -> str:
@@ -68,6 +73,8 @@ class SchedulerServer:
         if self.port == 0:
             raise OSError(f"could not bind {self.config.host}:{self.config.port}")
         await self._server.start()
+        if self.metrics_server is not None:
+            await self.metrics_server.start()
         for service in ("", ENGINE_CORE_SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         logger.info("event=scheduler_serving address=%s redis=%s tls=%s cluster_secret=%s",
@@ -93,6 +100,8 @@ class SchedulerServer:
             self.coordinator.drain_workers()
             await _wait_until(lambda: not self.coordinator.sessions, deadline)
         await self._server.stop(max(deadline - time.monotonic(), 0.0))
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
         logger.info("event=scheduler_stopped")
 
     async def wait_for_termination(self) -> None:
@@ -135,6 +144,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[SchedulerServiceConfig, a
     p.add_argument("--fault-exit-after-step", type=float, default=d.fault_exit_after_step,
                    help="fault injection for tests: probability of exiting (code 70) when "
                         "a worker's answer arrives, before it is applied; default 0 (off)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics on this port (0: a free one; default: off)")
     p.add_argument("--shutdown-grace-s", type=float, default=5.0)
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
@@ -150,6 +161,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[SchedulerServiceConfig, a
         fault_exit_after_step=args.fault_exit_after_step,
         tls=tls_from_args(args),
         cluster_secret=read_cluster_secret(args.cluster_secret_file),
+        metrics_port=args.metrics_port,
     )
     return config, args
 

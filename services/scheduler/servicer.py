@@ -130,7 +130,7 @@ class EngineCoreServicer(scheduler_pb2_grpc.EngineCoreServicer):
     async def GetStats(
         self, request: api_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> api_pb2.ClusterStats:
-        return cluster_stats_to_proto(self.coordinator.stats())
+        return cluster_stats_to_proto(self.coordinator.stats(request.include_block_map))
 
 
 def _is_request(message: spb.FrontendMessage) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import time
 from collections.abc import Callable, Iterable
 
 from kvmesh.v1 import scheduler_pb2 as spb
@@ -12,9 +13,13 @@ from services.common.convert import drain_message, registered_message, step_mess
 from services.common.engine import EngineCoreOutputs
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import SchedulerOutput
+from services.common.stats import SchedulerStats
+from services.scheduler.block_map import make_block_map
 from services.scheduler.kv_store import KVStore
+from services.scheduler.metrics import WorkerMetrics
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler import Scheduler
+from services.scheduler.token_rate import TokenRateHistory
 from services.scheduler.worker_checks import WorkerProtocolError, check_runner_output
 
 
@@ -42,12 +47,14 @@ class WorkerSession:
     ``add_request`` / ``abort_requests`` set (no polling).
 
     Messages for the worker go through ``outbox`` (the WorkerStream handler
-    sends them); None there ends the stream.
+    sends them); None there ends the stream. Each step is recorded in
+    ``metrics``; ``scheduler`` must have been built with ``log_stats``.
     """
 
     def __init__(self, worker_id: str, engine_index: int, scheduler: Scheduler,
-                 store: KVStore, on_outputs: OutputsCallback, vocab_size: int,
-                 step_timeout_s: float | None = None, fault_exit_after_step: float = 0.0) -> None:
+                 store: KVStore, on_outputs: OutputsCallback, metrics: WorkerMetrics,
+                 vocab_size: int, step_timeout_s: float | None = None,
+                 fault_exit_after_step: float = 0.0) -> None:
         self.worker_id = worker_id
         self.engine_index = engine_index
         self.vocab_size = vocab_size
@@ -55,6 +62,9 @@ class WorkerSession:
         self._fault_exit_after_step = fault_exit_after_step
         self.scheduler = scheduler
         self.store = store
+        self.metrics = metrics
+        self.num_generation_tokens = 0
+        self.generation_history = TokenRateHistory()
         self.outbox: asyncio.Queue[spb.SchedulerMessage | None] = asyncio.Queue()
         self.outbox.put_nowait(registered_message(engine_index))
         self._on_outputs = on_outputs
@@ -107,6 +117,20 @@ class WorkerSession:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         self._wakeup.set()
 
+    def make_stats(self, include_block_map: bool = False) -> SchedulerStats:
+        """The scheduler's stats plus this session's generation history (and the
+        block map: a scan of the whole pool, only when asked for)."""
+        stats = self.scheduler.make_stats()
+        stats.num_generation_tokens = self.num_generation_tokens
+        stats.generation_tokens_per_s = self.generation_history.rates(time.monotonic())
+        stats.history_interval_s = self.generation_history.interval_s
+        if include_block_map:
+            block_map = make_block_map(self.scheduler.kv_cache_manager.block_pool)
+            stats.block_map = block_map.cells
+            stats.blocks_per_cell = block_map.blocks_per_cell
+            stats.num_cached_free_blocks = block_map.num_cached_free_blocks
+        return stats
+
     def unfinished_requests(self) -> list[Request]:
         """Requests still waiting or running here, in (priority, arrival) order."""
         return sorted(self.scheduler.requests.values())
@@ -139,8 +163,11 @@ class WorkerSession:
                 await self._idle()
                 continue
             scheduler_output = scheduler.schedule()
+            step_time_s = 0.0
             if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids:
+                start = time.monotonic()
                 runner_output = await self._execute(scheduler_output)
+                step_time_s = time.monotonic() - start
             else:
                 # Nothing to compute: flush outputs of requests that finished
                 # outside a step (IGNORED) without a round trip to the worker.
@@ -148,6 +175,8 @@ class WorkerSession:
             outputs = scheduler.update_from_output(scheduler_output, runner_output)
             if self.closed:
                 return  # its requests were re-placed: what it produced is not theirs
+            if scheduler_output.total_num_scheduled_tokens:
+                self._record_step(scheduler_output.total_num_scheduled_tokens, step_time_s, outputs)
             if outputs:
                 self._on_outputs(self, outputs)
             if not scheduler_output.total_num_scheduled_tokens:
@@ -165,6 +194,17 @@ class WorkerSession:
             except TimeoutError:
                 if self.store.wants_full_state():
                     self.scheduler.commit_store()
+
+    def _record_step(self, num_scheduled_tokens: int, step_time_s: float,
+                     outputs: dict[int, EngineCoreOutputs]) -> None:
+        num_generated = sum(len(o.new_token_ids) for c in outputs.values() for o in c.outputs)
+        self.num_generation_tokens += num_generated
+        self.generation_history.add(num_generated, time.monotonic())
+        self.metrics.observe_step(num_scheduled_tokens, step_time_s)
+        finished_req_times = self.scheduler.finished_req_times
+        if finished_req_times:
+            self.metrics.observe_finished(finished_req_times)
+            finished_req_times.clear()
 
     async def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         future: asyncio.Future[ModelRunnerOutput] = asyncio.get_running_loop().create_future()

@@ -269,9 +269,11 @@ class WorkerServiceConfig:
     """Where the scheduler is, who this worker is, and how it runs its model.
 
     ``health_port`` None serves no health endpoint; 0 picks a free port
-    (``WorkerService.health_port`` tells which). ``connect_timeout_s`` None
-    waits for the scheduler forever. ``tls`` (client certificate and CA) and
-    ``cluster_secret`` authenticate the worker to the scheduler.
+    (``WorkerService.health_port`` tells which). ``metrics_port`` serves
+    Prometheus ``/metrics`` on ``health_host`` the same way (None: off).
+    ``connect_timeout_s`` None waits for the scheduler forever. ``tls``
+    (client certificate and CA) and ``cluster_secret`` authenticate the
+    worker to the scheduler.
     """
 
     scheduler_address: str = "127.0.0.1:50052"
@@ -279,6 +281,7 @@ class WorkerServiceConfig:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     health_host: str = "127.0.0.1"
     health_port: int | None = None
+    metrics_port: int | None = None
     connect_timeout_s: float | None = None
     tls: TlsConfig | None = None
     cluster_secret: str | None = None
@@ -286,5 +289,7 @@ class WorkerServiceConfig:
     def __post_init__(self) -> None:
         if not self.worker_id:
             raise ValueError("worker_id is empty, must be a non-empty string")
-        if self.health_port is not None and not 0 <= self.health_port <= 65535:
-            raise ValueError(f"health_port is {self.health_port}, must be in [0, 65535]")
+        for name in ("health_port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ValueError(f"{name} is {value}, must be in [0, 65535]")

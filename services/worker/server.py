@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import Awaitable
 from typing import TypeVar
@@ -34,6 +35,7 @@ from services.common.convert import (
 )
 from services.common.limits import SchedulingLimits
 from services.common.process import SHUTDOWN_SIGNALS, configure_logging
+from services.common.prometheus import MetricsServer
 from services.common.rpc import CHANNEL_OPTIONS, KV_CACHE_ID_METADATA_KEY
 from services.common.security import (
     add_security_args,
@@ -45,6 +47,7 @@ from services.common.security import (
 from services.common.scheduler_output import SchedulerOutput
 from services.worker.config import WorkerConfig, WorkerServiceConfig, default_worker_id
 from services.worker.dirty_blocks import DirtyBlockLog
+from services.worker.metrics import WorkerMetrics
 from services.worker.sample import ThinkingConfig
 from services.worker.worker import Worker
 
@@ -82,6 +85,11 @@ class WorkerService:
         self.engine_index: int | None = None
         self.health = health.aio.HealthServicer()
         self.health_port = 0
+        self.metrics = WorkerMetrics(config.worker_id)
+        self.metrics_server: MetricsServer | None = None
+        if config.metrics_port is not None:
+            self.metrics_server = MetricsServer(self.metrics.registry, config.health_host,
+                                                config.metrics_port)
         self._stop = asyncio.Event()
         self._stop_waiter: asyncio.Future[bool] | None = None
 
@@ -92,11 +100,14 @@ class WorkerService:
     async def run(self) -> None:
         """Loads, registers and serves steps until Drain or stop()."""
         health_server = await self._start_health_server()
+        if self.metrics_server is not None:
+            await self.metrics_server.start()
         self._stop_waiter = asyncio.ensure_future(self._stop.wait())
         try:
             logger.info("event=worker_loading worker=%s model=%s", self.config.worker_id,
                         self.config.worker.model)
             num_blocks = await asyncio.to_thread(self._load)
+            self.metrics.bind(self.worker.model_name, num_blocks)
             logger.info("event=worker_loaded worker=%s num_blocks=%d", self.config.worker_id, num_blocks)
             async with aio_channel(self.config.scheduler_address, self.config.tls,
                                    CHANNEL_OPTIONS) as channel:
@@ -108,6 +119,8 @@ class WorkerService:
             self._stop_waiter.cancel()
             if health_server is not None:
                 await health_server.stop(None)
+            if self.metrics_server is not None:
+                await self.metrics_server.stop()
         logger.info("event=worker_stopped worker=%s", self.config.worker_id)
 
     def _load(self) -> int:
@@ -172,7 +185,10 @@ class WorkerService:
                     logger.info("event=worker_drained worker=%s", self.config.worker_id)
                     return None
                 self.dirty_blocks.record(scheduler_output)
+                start = time.monotonic()
                 runner_output = await asyncio.to_thread(self.worker.execute_model, scheduler_output)
+                self.metrics.observe_step(scheduler_output.total_num_scheduled_tokens,
+                                          time.monotonic() - start)
                 try:
                     await call.write(runner_output_message(runner_output))
                 except asyncio.InvalidStateError as e:
@@ -281,6 +297,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerServiceConfig, argp
     p.add_argument("--worker-id", default=None, help="default: hostname-pid")
     p.add_argument("--health-host", default="127.0.0.1")
     p.add_argument("--health-port", type=int, default=None, help="0 picks a free port")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics on --health-host at this port "
+                        "(0: a free one; default: off)")
     p.add_argument("--connect-timeout-s", type=float, default=None, help="default: wait forever")
     p.add_argument("--model", default=d.model, help="HF directory or .gguf; default SmolLM2")
     p.add_argument("--dtype", default=d.dtype)
@@ -330,6 +349,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerServiceConfig, argp
         worker=worker,
         health_host=args.health_host,
         health_port=args.health_port,
+        metrics_port=args.metrics_port,
         connect_timeout_s=args.connect_timeout_s,
         tls=tls_from_args(args),
         cluster_secret=read_cluster_secret(args.cluster_secret_file),

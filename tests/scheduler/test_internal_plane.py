@@ -7,6 +7,9 @@ raw gRPC clients without the secret or without a client certificate.
 from __future__ import annotations
 
 import asyncio
+import json
+import ssl
+import urllib.request
 
 import grpc
 import pytest
@@ -52,8 +55,8 @@ def run(coro):
 async def frontend_stream_error(address: str, metadata=()) -> grpc.StatusCode:
     async with grpc.aio.insecure_channel(address) as channel:
         call = scheduler_pb2_grpc.EngineCoreStub(channel).FrontendStream(metadata=metadata)
-        await call.write(add_request_message(greedy_request("sneaky", [1, 2, 3], 4)))
-        with pytest.raises(grpc.aio.AioRpcError) as excinfo:
+        with pytest.raises(grpc.aio.AioRpcError) as excinfo:  # the write may already fail
+            await call.write(add_request_message(greedy_request("sneaky", [1, 2, 3], 4)))
             await call.read()
         return excinfo.value.code()
 
@@ -100,7 +103,7 @@ def test_a_cluster_over_mutual_tls_with_a_secret_serves_and_refuses_bare_clients
                               cluster_secret=SECRET)
         frontend = await serve_frontend(FrontendServiceConfig(
             port=0, scheduler_address=scheduler.address, model=str(model_dir),
-            max_model_len=256, tls=server_tls, cluster_secret=SECRET))
+            max_model_len=256, tls=server_tls, cluster_secret=SECRET, http_port=0))
         await wait_until(lambda: len(scheduler.coordinator.sessions) == 1)
         await frontend.engine_core.wait_connected(10)
         # A client of the public API needs only the CA (no client certificate).
@@ -108,6 +111,9 @@ def test_a_cluster_over_mutual_tls_with_a_secret_serves_and_refuses_bare_clients
             generate = api_pb2.GenerateRequest(request_id="r", sampling_params=_greedy_params(10),
                                                token_ids=api_pb2.TokenIds(ids=[3, 4, 5, 6, 7]))
             responses = [r async for r in api_pb2_grpc.GenerationStub(channel).Generate(generate)]
+        # The HTTP API is served over TLS too, with the same certificate.
+        context = ssl.create_default_context(cafile=client_tls.ca_file)
+        models = await asyncio.to_thread(_get_json, f"{frontend.http.url}/v1/models", context)
         # With the secret but no client certificate, the scheduler's TLS refuses.
         bare = aio_channel(scheduler.address, _ca_only(client_tls), ())
         with pytest.raises(grpc.aio.AioRpcError) as excinfo:
@@ -117,9 +123,10 @@ def test_a_cluster_over_mutual_tls_with_a_secret_serves_and_refuses_bare_clients
         await frontend.stop(0.1)
         await scheduler.stop(1.0)
         await worker.task
-        return responses, excinfo.value.code()
+        return responses, excinfo.value.code(), models, frontend.http.url
 
-    responses, bare_code = run(scenario())
+    responses, bare_code, models, http_url = run(scenario())
+    assert http_url.startswith("https://") and models[0]["id"] == str(model_dir)
     assert [t for r in responses for o in r.outputs for t in o.token_ids] == expected
     assert bare_code == grpc.StatusCode.UNAVAILABLE  # the TLS handshake fails
 
@@ -131,3 +138,8 @@ def _greedy_params(max_tokens: int) -> engine_pb2.SamplingParams:
 
 def _ca_only(tls: TlsConfig) -> TlsConfig:
     return TlsConfig(ca_file=tls.ca_file)
+
+
+def _get_json(url: str, context: ssl.SSLContext) -> list[dict]:
+    with urllib.request.urlopen(url, context=context, timeout=10) as response:
+        return json.loads(response.read())["data"]
