@@ -14,7 +14,11 @@ from kvmesh.offline.engine_args import EngineArgs
 from kvmesh.offline.engine_core import EngineCore
 from services.common.model_files import resolve_model_dir
 from services.common.sampling_params import SamplingParams
-from services.frontend.input_processor import InputProcessor, PromptType
+from services.frontend.input_processor import (
+    InputProcessor,
+    PromptType,
+    logits_processor_validators,
+)
 from services.frontend.output_processor import OutputProcessor
 from services.frontend.outputs import RequestOutput
 from services.frontend.tokenizer import load_tokenizer
@@ -39,7 +43,8 @@ class LLMEngine:
         info = engine_core.worker_info
         tokenizer = load_tokenizer(resolve_model_dir(args.model))
         input_processor = InputProcessor(
-            tokenizer, info.max_model_len, info.vocab_size, info.eos_token_ids, args.max_logprobs
+            tokenizer, info.max_model_len, info.vocab_size, info.eos_token_ids, args.max_logprobs,
+            params_validators=logits_processor_validators(args.logits_processors),
         )
         return cls(input_processor, OutputProcessor(tokenizer, args.stream_interval), engine_core)
 

@@ -28,6 +28,8 @@ class FrontendServiceConfig:
     against its CA); ``cluster_secret`` goes with every scheduler call.
     ``resubmit_grace_s`` is how long requests wait for a restarted scheduler
     (see AsyncLLM); ``request_limits`` bound each request before it is tokenized.
+    ``logits_processors`` names the custom processors the workers run (plus
+    the installed plugins): their ``validate_params`` run at admission.
     """
 
     host: str = "127.0.0.1"
@@ -42,6 +44,7 @@ class FrontendServiceConfig:
     admin_api_keys: tuple[str, ...] = ()
     resubmit_grace_s: float = 30.0
     request_limits: RequestLimits = field(default_factory=RequestLimits)
+    logits_processors: list[str] = field(default_factory=list)
     tls: TlsConfig | None = None
     cluster_secret: str | None = None
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import re
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from transformers import PreTrainedTokenizerBase
 
 from services.common.engine import EngineCoreRequest
+from services.common.plugins import LOGITS_PROCESSORS_GROUP, load_entry_points, load_qualname
 from services.common.sampling_params import SamplingParams
 from services.common.validation import (
     CHAT_ROLES,
@@ -24,8 +25,20 @@ from services.frontend.tokenizer import ChatMessage, encode_chat, encode_prompt,
 
 # A prompt: text, token ids, or chat messages ({"role", "content"} dicts).
 PromptType = str | Sequence[int] | Sequence[ChatMessage]
+# (name, check) of a logits processor's ``validate_params``: raises ValueError
+# (or TypeError) for params the processor cannot serve.
+ParamsValidator = tuple[str, Callable[[SamplingParams], None]]
 
 _INTERNAL_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+
+def logits_processor_validators(specs: Sequence[str] = ()) -> list[ParamsValidator]:
+    """The ``validate_params`` of every installed logits-processor plugin and of
+    ``specs`` (``"module.path:Class"``), which the workers load too."""
+    objects = [obj for _, obj in load_entry_points(LOGITS_PROCESSORS_GROUP)]
+    objects += [load_qualname(spec) for spec in specs]
+    return [(getattr(obj, "__qualname__", repr(obj)), obj.validate_params)
+            for obj in dict.fromkeys(objects) if callable(getattr(obj, "validate_params", None))]
 
 
 def make_internal_request_id(external_req_id: str) -> str:
@@ -45,6 +58,8 @@ class InputProcessor:
     copy with ``max_tokens`` resolved against ``max_model_len`` and the
     model's extra EOS ids added to ``stop_token_ids``. ``limits`` bound the
     request before anything expensive (tokenization, fan-out) happens.
+    ``params_validators`` are the custom logits processors' checks, run at
+    admission so a request they refuse never reaches a worker.
     """
 
     def __init__(
@@ -55,6 +70,7 @@ class InputProcessor:
         eos_token_ids: Sequence[int],
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         limits: RequestLimits = RequestLimits(),
+        params_validators: Sequence[ParamsValidator] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -62,6 +78,7 @@ class InputProcessor:
         self.eos_token_ids = list(eos_token_ids)
         self.max_logprobs = max_logprobs
         self.limits = limits
+        self.params_validators = list(params_validators)
 
     def render_prompt(
         self, prompt: PromptType, *, add_generation_prompt: bool = True
@@ -158,6 +175,12 @@ class InputProcessor:
             params.stop = [params.stop]
         validate_sampling_params(params, vocab_size=self.vocab_size,
                                  max_logprobs=self.max_logprobs, limits=self.limits)
+        for name, validate in self.params_validators:
+            try:
+                validate(params)
+            except (ValueError, TypeError) as e:
+                raise ValidationError("sampling_params",
+                                      f"logits processor {name} refused the request: {e}") from None
         params.max_tokens = resolve_max_tokens(params, num_prompt_tokens, self.max_model_len)
         if not params.ignore_eos:
             # The scheduler knows one eos_token_id; the others stop like stop tokens.

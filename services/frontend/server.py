@@ -45,7 +45,7 @@ from services.common.validation import (
 )
 from services.frontend.http.app import HttpState, build_app
 from services.frontend.http.server import HttpServer
-from services.frontend.input_processor import InputProcessor
+from services.frontend.input_processor import InputProcessor, logits_processor_validators
 from services.frontend.output_processor import OutputProcessor
 from services.frontend.stat_logger import PrometheusStatLogger
 from services.frontend.tokenizer import load_eos_token_ids, load_tokenizer, longest_token_bytes
@@ -266,8 +266,10 @@ class FrontendServer:
         if limits.max_prompt_bytes is None:  # what max_model_len tokens can stand for
             max_prompt_bytes = info.max_model_len * longest_token_bytes(tokenizer)
             limits = dataclasses.replace(limits, max_prompt_bytes=max_prompt_bytes)
-        input_processor = InputProcessor(tokenizer, info.max_model_len, info.vocab_size,
-                                         info.eos_token_ids, self.config.max_logprobs, limits)
+        input_processor = InputProcessor(
+            tokenizer, info.max_model_len, info.vocab_size, info.eos_token_ids,
+            self.config.max_logprobs, limits,
+            logits_processor_validators(self.config.logits_processors))
         output_processor = OutputProcessor(tokenizer, self.config.stream_interval)
         stat_logger = PrometheusStatLogger(info.name, info.max_model_len)
         return AsyncLLM(input_processor, output_processor, self.config.resubmit_grace_s,
@@ -312,6 +314,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[FrontendServiceConfig, st
     p.add_argument("--resubmit-grace-s", type=float, default=30.0,
                    help="how long requests wait for a restarted scheduler before failing")
     RequestLimits.add_cli_args(p)
+    p.add_argument("--logits-processors", nargs="*", default=[],
+                   help="the workers' custom processors (module:Class): their "
+                        "validate_params run at admission")
     add_security_args(p)
     p.add_argument("--http-port", type=int, default=8000,
                    help="the HTTP API (OpenAI, /metrics, /dashboard) on --host; 0: a free port")
@@ -328,6 +333,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[FrontendServiceConfig, st
         model=args.model, max_model_len=args.max_model_len, max_logprobs=args.max_logprobs,
         stream_interval=args.stream_interval, resubmit_grace_s=args.resubmit_grace_s,
         request_limits=RequestLimits.from_cli_args(args),
+        logits_processors=args.logits_processors,
         tls=tls_from_args(args),
         cluster_secret=read_cluster_secret(args.cluster_secret_file),
         http_port=None if args.no_http else args.http_port,

@@ -8,6 +8,7 @@ import pytest
 
 from services.common.sampling_params import SamplingParams
 from services.common.validation import ValidationError
+from services.frontend.input_processor import InputProcessor, logits_processor_validators
 
 MAX_MODEL_LEN = 2048  # the input_processor fixture's
 
@@ -140,3 +141,14 @@ def test_json_like_extra_args_pass_unchanged(input_processor):
 
 def test_validation_error_is_a_value_error():
     assert issubclass(ValidationError, ValueError)
+
+
+def test_custom_logits_processors_validate_at_admission(tokenizer, eos_token_ids):
+    spec = "tests.worker.sample.kvmesh_test_logitsprocs:RejectMaxTokens13Processor"
+    processor = InputProcessor(tokenizer, MAX_MODEL_LEN, 49152, eos_token_ids,
+                               params_validators=logits_processor_validators([spec]))
+    with pytest.raises(ValidationError, match="RejectMaxTokens13Processor refused the request: "
+                                              "max_tokens=13 is not served") as info:
+        processor.process_inputs("r", "Hello", SamplingParams(max_tokens=13))
+    assert info.value.field == "sampling_params"
+    assert processor.process_inputs("r", "Hello", SamplingParams(max_tokens=12))

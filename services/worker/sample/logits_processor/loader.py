@@ -9,11 +9,11 @@ A class named twice is built once.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
-from importlib.metadata import entry_points
 
 import torch
+
+from services.common.plugins import LOGITS_PROCESSORS_GROUP, load_entry_points, load_qualname
 
 from services.worker.sample.logits_processor.builtin import (
     LogitBiasLogitsProcessor,
@@ -27,7 +27,7 @@ from services.worker.sample.logits_processor.interface import (
 from services.worker.sample.logits_processor.state import LogitsProcessors
 from services.worker.sample.logits_processor.thinking import ThinkingBudgetLogitsProcessor
 
-LOGITSPROCS_GROUP = "kvmesh.logits_processors"
+LOGITSPROCS_GROUP = LOGITS_PROCESSORS_GROUP
 
 BUILTIN_LOGITS_PROCESSORS: tuple[type[LogitsProcessor], ...] = (
     MinTokensLogitsProcessor,
@@ -44,36 +44,13 @@ def _check_processor_class(obj: object, origin: str) -> type[LogitsProcessor]:
 
 def load_plugin_logitsprocs() -> list[type[LogitsProcessor]]:
     """Every class registered under the ``kvmesh.logits_processors`` entry-point group."""
-    classes: list[type[LogitsProcessor]] = []
-    for entry_point in entry_points(group=LOGITSPROCS_GROUP):
-        try:
-            obj = entry_point.load()
-        except Exception as e:
-            raise RuntimeError(
-                f"failed to load logits processor plugin {entry_point.name!r} "
-                f"({entry_point.value})"
-            ) from e
-        classes.append(_check_processor_class(obj, f"plugin {entry_point.name!r}"))
-    return classes
+    return [_check_processor_class(obj, f"plugin {name!r}")
+            for name, obj in load_entry_points(LOGITSPROCS_GROUP)]
 
 
 def load_logitsproc_by_qualname(spec: str) -> type[LogitsProcessor]:
     """Import ``"module.path:QualName"`` (QualName may be dotted, for nested classes)."""
-    module_path, sep, qualname = spec.partition(":")
-    if not sep or not module_path or not qualname:
-        raise ValueError(f"logits processor {spec!r} must be written 'module.path:ClassName'")
-    try:
-        obj: object = importlib.import_module(module_path)
-    except Exception as e:
-        raise RuntimeError(
-            f"failed to import module {module_path!r} for logits processor {spec!r}"
-        ) from e
-    for attr in qualname.split("."):
-        try:
-            obj = getattr(obj, attr)
-        except AttributeError as e:
-            raise ValueError(f"logits processor {spec!r}: {attr!r} not found") from e
-    return _check_processor_class(obj, repr(spec))
+    return _check_processor_class(load_qualname(spec), repr(spec))
 
 
 def load_custom_logitsprocs(
