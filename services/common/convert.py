@@ -23,7 +23,7 @@ from services.common.engine import (
     Logprobs,
 )
 from services.common.limits import SchedulingLimits
-from services.common.model_runner_output import ModelRunnerOutput
+from services.common.model_runner_output import ModelRunnerOutput, RequestFailure
 from services.common.registration import WorkerRegistration
 from services.common.sampling_params import RequestOutputKind, SamplingParams
 from services.common.scheduler_output import (
@@ -310,6 +310,12 @@ def model_runner_output_to_proto(o: ModelRunnerOutput) -> pb.ModelRunnerOutput:
             for req_id, sampled in zip(o.req_ids, o.sampled_token_ids)
         ],
         step_id=o.step_id,
+        failed=[
+            pb.ModelRunnerOutput.RequestFailure(
+                req_id=req_id, status_code=f.status_code, message=f.message
+            )
+            for req_id, f in o.failed.items()
+        ],
     )
 
 
@@ -322,6 +328,8 @@ def model_runner_output_from_proto(msg: pb.ModelRunnerOutput) -> ModelRunnerOutp
             out.logprobs[r.req_id] = logprobs_from_proto(r.logprobs, True)
         if r.HasField("prompt_logprobs"):
             out.prompt_logprobs[r.req_id] = logprobs_from_proto(r.prompt_logprobs, True)
+    for f in msg.failed:
+        out.failed[f.req_id] = RequestFailure(f.status_code, f.message)
     return out
 
 

@@ -4,7 +4,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import grpc
+
 from services.common.engine import Logprobs
+
+# A failure's message reaches the client; the worker cuts longer ones.
+MAX_FAILURE_MESSAGE_CHARS = 1000
+# What a worker may say about one request it dropped: the request's own
+# arguments were refused, or computing it failed.
+FAILURE_STATUS_CODES = frozenset(
+    code.value[0] for code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL)
+)
+
+
+@dataclass(slots=True, frozen=True)
+class RequestFailure:
+    """Why a worker dropped one request: a grpc.StatusCode value and a message."""
+
+    status_code: int
+    message: str
+
+    @classmethod
+    def of(cls, code: grpc.StatusCode, message: str) -> RequestFailure:
+        return cls(code.value[0], message[:MAX_FAILURE_MESSAGE_CHARS])
 
 
 @dataclass(slots=True)
@@ -14,7 +36,8 @@ class ModelRunnerOutput:
     ``sampled_token_ids[i]`` belongs to ``req_ids[i]`` and is empty when the
     request was only partway through its prompt (the sample is discarded).
     ``logprobs`` and ``prompt_logprobs`` hold entries only for requests that
-    asked for them.
+    asked for them. ``failed`` holds the requests of the step the worker
+    could not serve and has dropped; they appear nowhere else.
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -22,3 +45,4 @@ class ModelRunnerOutput:
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)
     step_id: int = 0
+    failed: dict[str, RequestFailure] = field(default_factory=dict)

@@ -52,7 +52,9 @@ def engine_failure(output: EngineCoreOutput) -> RequestFailedError | None:
     """The error an engine output carries, or None for a normal output.
 
     A non-zero ``status_code`` is the engine refusing the request (UNAVAILABLE:
-    no worker; RESOURCE_EXHAUSTED: queue full). A ``finish_message`` without
+    no worker; RESOURCE_EXHAUSTED: queue full) or a worker dropping it
+    (INVALID_ARGUMENT: a logits processor refused its arguments; INTERNAL:
+    computing it failed). A ``finish_message`` without
     one is a prompt the workers can never hold: INVALID_ARGUMENT.
     """
     if output.status_code:

@@ -63,7 +63,7 @@ class Request:
         "request_id", "client_index", "priority", "arrival_time", "sampling_params",
         "eos_token_id", "cache_salt", "prompt_token_ids", "output_token_ids",
         "all_token_ids", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
-        "status", "stop_reason", "finish_message", "block_hashes", "max_tokens",
+        "status", "stop_reason", "finish_message", "status_code", "block_hashes", "max_tokens",
         "queued_time", "scheduled_time", "first_token_time", "_block_hasher",
     )
 
@@ -96,6 +96,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.finish_message = ""
+        # A grpc.StatusCode value when the request failed instead of finishing.
+        self.status_code = 0
         self.max_tokens = sampling_params.max_tokens
         # time.monotonic() when the scheduler queued it, first scheduled it
         # and got its first token (RequestTimes).

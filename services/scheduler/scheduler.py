@@ -23,7 +23,7 @@ from services.common.engine import (
     EngineCoreRequest,
     Logprobs,
 )
-from services.common.model_runner_output import ModelRunnerOutput
+from services.common.model_runner_output import ModelRunnerOutput, RequestFailure
 from services.common.scheduler_output import (
     CachedRequestData,
     NewRequestData,
@@ -335,9 +335,11 @@ class Scheduler:
         ``sampled_token_ids[i]`` is empty for a request partway through its
         prompt (its ``num_computed_tokens`` already advanced in schedule()).
         Results for requests that ``scheduler_output`` did not schedule, or
-        that finished since (aborted), are dropped. Returns the
-        outputs grouped by client index, including those of requests IGNORED
-        since the last call; ends with one commit to the store.
+        that finished since (aborted), are dropped. Requests the worker
+        dropped (``failed``) finish ABORTED with the worker's status and
+        message. Returns the outputs grouped by client index, including those
+        of requests IGNORED since the last call; ends with one commit to the
+        store.
         """
         outputs, self._pending_outputs = self._pending_outputs, {}
         now = time.monotonic()
@@ -372,6 +374,8 @@ class Scheduler:
                 outputs[request.client_index] = [output]
             else:
                 client_outputs.append(output)
+        if model_runner_output.failed:
+            any_stopped |= self._finish_failed(model_runner_output.failed, scheduled, outputs)
         if any_stopped:
             self.running = [r for r in self.running if r.status is running_status]
         self.kv_cache_manager.commit(scheduler_output.step_id)
@@ -380,6 +384,28 @@ class Scheduler:
             client_index: EngineCoreOutputs(client_outputs, engine_index, now)
             for client_index, client_outputs in outputs.items()
         }
+
+    def _finish_failed(
+        self,
+        failed: dict[str, RequestFailure],
+        scheduled: dict[str, int],
+        outputs: dict[int, list[EngineCoreOutput]],
+    ) -> bool:
+        """Finishes the requests the worker dropped, each with its status; True if any."""
+        any_failed = False
+        for req_id, failure in failed.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status is not RequestStatus.RUNNING \
+                    or req_id not in scheduled:
+                continue
+            any_failed = True
+            request.status = RequestStatus.FINISHED_ABORTED
+            request.finish_message = failure.message
+            request.status_code = failure.status_code
+            self._free_request(request)
+            outputs.setdefault(request.client_index, []).append(
+                self._make_output(request, [], None, None))
+        return any_failed
 
     def _append_tokens(self, request: Request, sampled: list[int]) -> tuple[list[int], bool]:
         """Appends sampled tokens one by one; stops at the first that finishes the request.
@@ -413,6 +439,7 @@ class Scheduler:
             request.stop_reason,
             max(request.num_cached_tokens, 0),
             request.finish_message,
+            request.status_code,
         )
 
     # ------------------------------------------------------------ stats

@@ -11,7 +11,12 @@ from __future__ import annotations
 import re
 
 from services.common.engine import Logprobs
-from services.common.model_runner_output import ModelRunnerOutput
+from services.common.model_runner_output import (
+    FAILURE_STATUS_CODES,
+    MAX_FAILURE_MESSAGE_CHARS,
+    ModelRunnerOutput,
+    RequestFailure,
+)
 from services.common.registration import WorkerRegistration
 from services.common.scheduler_output import SchedulerOutput
 from services.scheduler.config import RegistrationBounds
@@ -54,7 +59,9 @@ def check_runner_output(
 
     Each request appears at most once and was scheduled in the step, with at
     most one sampled token id in [0, vocab_size); logprob rows belong to
-    requests of the step and never outnumber what was sampled or computed.
+    requests of the step and never outnumber what was sampled or computed; a
+    failed request was scheduled, has no output, and a bounded message with
+    an allowed status.
     """
     if output.step_id != step.step_id:
         raise WorkerProtocolError(f"answered step {output.step_id}, step in flight is "
@@ -72,11 +79,27 @@ def check_runner_output(
         if len(sampled) > 1 or any(not 0 <= t < vocab_size for t in sampled):
             raise WorkerProtocolError(f"request {req_id!r}: sampled {sampled[:4]}, allowed: "
                                       f"at most one token id in [0, {vocab_size})")
+    for req_id, failure in output.failed.items():
+        _check_failure(req_id, failure, scheduled)
+    if not output.failed.keys().isdisjoint(output.req_ids):
+        raise WorkerProtocolError("a request both failed and has an output in one step")
     sampled_counts = dict(zip(output.req_ids, map(len, output.sampled_token_ids)))
     for req_id, rows in output.logprobs.items():
         _check_logprob_rows("logprobs", req_id, rows, sampled_counts.get(req_id, 0), vocab_size)
     for req_id, rows in output.prompt_logprobs.items():
         _check_logprob_rows("prompt_logprobs", req_id, rows, scheduled.get(req_id, 0), vocab_size)
+
+
+def _check_failure(req_id: str, failure: RequestFailure, scheduled: dict[str, int]) -> None:
+    if req_id not in scheduled:
+        raise WorkerProtocolError(f"failure for request {req_id[:80]!r}, not scheduled")
+    if failure.status_code not in FAILURE_STATUS_CODES:
+        raise WorkerProtocolError(f"request {req_id!r} failed with status {failure.status_code}, "
+                                  "allowed: INVALID_ARGUMENT or INTERNAL")
+    if len(failure.message) > MAX_FAILURE_MESSAGE_CHARS:
+        raise WorkerProtocolError(f"request {req_id!r}: failure message of "
+                                  f"{len(failure.message)} characters, at most "
+                                  f"{MAX_FAILURE_MESSAGE_CHARS} allowed")
 
 
 def _check_logprob_rows(

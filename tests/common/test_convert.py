@@ -12,7 +12,7 @@ from services.common.engine import (
     Logprobs,
 )
 from services.common.limits import SchedulingLimits
-from services.common.model_runner_output import ModelRunnerOutput
+from services.common.model_runner_output import ModelRunnerOutput, RequestFailure
 from services.common.registration import WorkerRegistration
 from services.common.sampling_params import RequestOutputKind, SamplingParams
 from services.common.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -129,6 +129,7 @@ def test_scheduler_and_runner_outputs_round_trip():
         req_ids=["a", "b"], sampled_token_ids=[[], [4]],
         logprobs={"b": Logprobs([[4]], [[-0.25]], [1])},
         prompt_logprobs={"a": Logprobs([[2]], [[-2.0]], [3])}, step_id=5,
+        failed={"c": RequestFailure(13, "logits are not finite")},
     )
     assert convert.model_runner_output_from_proto(convert.model_runner_output_to_proto(runner)) == runner
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import grpc
 import pytest
 
 from services.common.engine import EngineCoreOutput, EngineCoreRequest, FinishReason, Logprobs
 from services.common.limits import SchedulingLimits
-from services.common.model_runner_output import ModelRunnerOutput
+from services.common.model_runner_output import ModelRunnerOutput, RequestFailure
 from services.common.sampling_params import SamplingParams
 from services.common.scheduler_output import SchedulerOutput
 from services.scheduler.config import SchedulerConfig
@@ -262,6 +263,26 @@ def test_abort_between_schedule_and_update_drops_the_sample():
     runner_output = ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[9]])
     assert scheduler.update_from_output(scheduler_output, runner_output) == {}
     check_invariants(scheduler)
+
+
+def test_a_request_the_worker_dropped_fails_alone_with_its_status():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("bad", [1] * 5))
+    scheduler.add_request(make_request("good", [2] * 5))
+    scheduler_output = scheduler.schedule()
+    failure = RequestFailure.of(grpc.StatusCode.INVALID_ARGUMENT, "extra_args.ban: not a list")
+    runner_output = ModelRunnerOutput(req_ids=["good"], sampled_token_ids=[[9]],
+                                      failed={"bad": failure})
+    outputs = scheduler.update_from_output(scheduler_output, runner_output)
+    check_invariants(scheduler)
+    bad, good = outputs[0].outputs[1], outputs[0].outputs[0]
+    assert (bad.request_id, bad.finish_reason, bad.new_token_ids) == ("bad", FinishReason.ABORT, [])
+    assert bad.status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert bad.finish_message == "extra_args.ban: not a list"
+    assert good.new_token_ids == [9] and not good.finished
+    assert list(scheduler.requests) == ["good"]
+    assert scheduler.kv_cache_manager.get_block_ids("bad") == []
+    assert scheduler.schedule().finished_req_ids == {"bad"}
 
 
 def test_priority_policy_admits_by_priority_then_arrival():

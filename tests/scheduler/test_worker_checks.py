@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from services.common.engine import Logprobs
 from services.common.limits import SchedulingLimits
-from services.common.model_runner_output import ModelRunnerOutput
+from services.common.model_runner_output import ModelRunnerOutput, RequestFailure
 from services.common.registration import WorkerRegistration
 from services.common.scheduler_output import SchedulerOutput
 from services.scheduler.config import RegistrationBounds
@@ -54,6 +55,10 @@ def output(**changes) -> ModelRunnerOutput:
     return ModelRunnerOutput(**fields)
 
 
+def failure(code: grpc.StatusCode = grpc.StatusCode.INTERNAL) -> RequestFailure:
+    return RequestFailure(code.value[0], "logits are not finite")
+
+
 def rows(n: int, token_id: int = 1) -> Logprobs:
     return Logprobs([[token_id]] * n, [[-0.5]] * n, [1] * n)
 
@@ -70,9 +75,17 @@ def rows(n: int, token_id: int = 1) -> Logprobs:
     (dict(logprobs={"b": rows(1)}), "1 logprobs rows, at most 0 allowed"),
     (dict(logprobs={"a": rows(1, VOCAB)}), "logprobs token id outside"),
     (dict(prompt_logprobs={"b": rows(17)}), "17 prompt_logprobs rows, at most 16 allowed"),
+    (dict(failed={"c": failure()}), "failure for request 'c', not scheduled"),
+    (dict(failed={"a": failure()}), "both failed and has an output"),
+    (dict(req_ids=["a"], sampled_token_ids=[[7]], failed={"b": failure(grpc.StatusCode.OK)}),
+     "failed with status 0, allowed: INVALID_ARGUMENT or INTERNAL"),
+    (dict(req_ids=["a"], sampled_token_ids=[[7]], failed={"b": RequestFailure(13, "x" * 1001)}),
+     "failure message of 1001 characters, at most 1000 allowed"),
 ])
 def test_dishonest_outputs_are_protocol_errors(changes, message):
     check_runner_output(output(logprobs={"a": rows(1)}, prompt_logprobs={"b": rows(16)}),
+                        step(), VOCAB)
+    check_runner_output(output(req_ids=["a"], sampled_token_ids=[[7]], failed={"b": failure()}),
                         step(), VOCAB)
     with pytest.raises(WorkerProtocolError, match=message):
         check_runner_output(output(**changes), step(), VOCAB)
