@@ -99,6 +99,11 @@ class BlockPool:
         self.num_cached_blocks -= 1
         self.num_evicted_blocks += 1
 
+    def evict_cached_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Forgets the hashes of free ``blocks``: no prefix will hit them again."""
+        for block in blocks:
+            self._maybe_evict_cached_block(block)
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Takes a reference on prefix-hit blocks; a free one leaves the free queue."""
         for block in blocks:

@@ -147,16 +147,20 @@ class KVCacheManager:
                 self.num_cached_block[req_id] = num_full_blocks
         return new_blocks
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, uncache: bool = False) -> None:
         """Releases the request's blocks in REVERSE order.
 
         Blocks reaching ref count 0 join the free-queue tail, the request's last
         block first, so a sequence's tail is evicted before its shared head.
+        ``uncache`` also forgets the hashes of those blocks: their contents are
+        in doubt (the worker failed the request, perhaps before writing them).
         """
         req_id = request.request_id
         blocks = self.req_to_blocks.pop(req_id, [])
         self.num_cached_block.pop(req_id, None)
         self.block_pool.free_blocks(reversed(blocks))
+        if uncache:
+            self.block_pool.evict_cached_blocks(b for b in blocks if b.ref_cnt == 0)
         self._dirty_req_ids.add(req_id)
 
     def get_block_ids(self, request_id: str) -> list[int]:

@@ -175,8 +175,8 @@ class Scheduler:
         """
         self.kv_cache_manager.commit(self._step_id)
 
-    def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+    def _free_request(self, request: Request, uncache: bool = False) -> None:
+        self.kv_cache_manager.free(request, uncache)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 
@@ -402,7 +402,12 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_ABORTED
             request.finish_message = failure.message
             request.status_code = failure.status_code
-            self._free_request(request)
+            # The worker may have dropped it before writing this step's KV, so
+            # its blocks leave the prefix cache. A block still shared stays:
+            # it was written before, unless another request hit it in this
+            # very step and the worker refused this one at admission (a
+            # logits processor the frontend does not run refused it).
+            self._free_request(request, uncache=True)
             outputs.setdefault(request.client_index, []).append(
                 self._make_output(request, [], None, None))
         return any_failed

@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -75,9 +76,12 @@ class InputBatch:
         self.block_table = BlockTable(
             max_num_reqs, max_num_blocks_per_req, max_num_batched_tokens, device, block_size
         )
-        self.sampling_state = SamplingState(
-            max_num_reqs, vocab_size, self.device, logitsprocs=logitsprocs, thinking=thinking
+        self.vocab_size = vocab_size
+        self._make_sampling_state = partial(
+            SamplingState, max_num_reqs, vocab_size, self.device, logitsprocs=logitsprocs,
+            thinking=thinking,
         )
+        self.sampling_state = self._make_sampling_state()
         # Row -> request id (None = hole) and the inverse; rows past the last
         # request are not kept, so len(req_ids) is the high-water mark.
         self.req_ids: list[str | None] = []
@@ -90,16 +94,24 @@ class InputBatch:
         return len(self.req_id_to_index)
 
     def add_request(self, state: CachedRequestState) -> int:
-        """Puts ``state`` into the lowest empty row and returns that row."""
+        """Puts ``state`` into the lowest empty row and returns that row.
+
+        Raises ValueError, with the batch unchanged, for a request this batch
+        cannot hold: too many tokens, a token id outside the vocabulary,
+        sampling parameters the sampling state refuses, or no free row.
+        """
         if state.req_id in self.req_id_to_index:
             raise ValueError(f"request {state.req_id!r} is already in the batch")
         num_prompt = len(state.prompt_token_ids)
         num_tokens = num_prompt + len(state.output_token_ids)
-        if num_tokens > self.max_model_len:
+        if not 0 < num_tokens <= self.max_model_len:
             raise ValueError(
                 f"request {state.req_id!r} has {num_tokens} tokens; allowed range is "
                 f"[1, {self.max_model_len}] (max_model_len)"
             )
+        self._check_token_ids(state.prompt_token_ids, "prompt_token_ids")
+        self._check_token_ids(state.output_token_ids, "output_token_ids")
+        self.sampling_state.validate(state.sampling_params, self.eos_token_id)
         if self._holes:
             row = heapq.heappop(self._holes)
             self.req_ids[row] = state.req_id
@@ -126,6 +138,14 @@ class InputBatch:
         )
         return row
 
+    def _check_token_ids(self, token_ids: list[int], field: str) -> None:
+        # An id past the embedding table would fail the whole step (on CUDA,
+        # the whole process), not just this request.
+        if token_ids and not (0 <= min(token_ids) and max(token_ids) < self.vocab_size):
+            bad = min(token_ids) if min(token_ids) < 0 else max(token_ids)
+            raise ValueError(f"{field} holds token id {bad}; allowed range is "
+                             f"[0, {self.vocab_size})")
+
     def remove_request(self, req_id: str) -> int | None:
         """Empties the request's row and returns it; None if it was not in the batch."""
         row = self.req_id_to_index.pop(req_id, None)
@@ -137,6 +157,20 @@ class InputBatch:
         self.sampling_state.remove_request(row)
         heapq.heappush(self._holes, row)
         return row
+
+    def reset(self) -> None:
+        """Empties every row, whatever state a failed step left them in.
+
+        The sampling state and its logits processors are built anew; the
+        device tensors captured by CUDA graphs (the block table) are kept.
+        """
+        for row in range(len(self.req_ids)):
+            self.block_table.clear_row(row)
+        self.req_ids.clear()
+        self.req_id_to_index.clear()
+        self.req_output_token_ids.clear()
+        self._holes.clear()
+        self.sampling_state = self._make_sampling_state()
 
     def condense(self) -> list[tuple[int, int]]:
         """Fills the holes with the last rows; returns the ``(src, dst)`` moves in order.

@@ -15,12 +15,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import grpc
 import numpy as np
 import torch
 from torch import nn
 
 from services.common.engine import Logprobs
-from services.common.model_runner_output import ModelRunnerOutput
+from services.common.model_runner_output import ModelRunnerOutput, RequestFailure
 from services.common.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from services.worker.attention.backend import get_attention_backend
 from services.worker.attention.metadata import AttentionMetadata
@@ -38,6 +39,12 @@ from services.worker.sample import Sampler, SamplerOutput, ThinkingConfig, compu
 logger = logging.getLogger(__name__)
 # Query tokens per request in a uniform decode batch (no speculative decoding yet).
 UNIFORM_DECODE_QUERY_LEN = 1
+# The sampled id that marks a row whose logits were not finite.
+_NONFINITE = -1
+_NONFINITE_FAILURE = RequestFailure.of(
+    grpc.StatusCode.INTERNAL,
+    "the logits for this request are not finite (NaN, +inf, or every token masked)",
+)
 
 
 @dataclass(slots=True)
@@ -111,6 +118,8 @@ class ModelRunner:
         # Requests still owed prompt logprobs; usually empty, so the per-step
         # check costs nothing for everyone else.
         self._prompt_logprobs_req_ids: set[str] = set()
+        # The requests this step dropped, and why (ModelRunnerOutput.failed).
+        self._failed: dict[str, RequestFailure] = {}
         self.input_ids = _StagedBuffer(max_num_batched_tokens, torch.int64, self.device)
         self.positions = _StagedBuffer(max_num_batched_tokens, torch.int64, self.device)
         self.query_start_loc = _StagedBuffer(max_num_reqs + 1, torch.int32, self.device)
@@ -166,8 +175,23 @@ class ModelRunner:
         reqs_to_add = [self._add_new_request(r) for r in scheduler_output.scheduled_new_reqs]
         reqs_to_add += self._update_cached_requests(scheduler_output.scheduled_cached_reqs)
         for state in reqs_to_add:
-            batch.add_request(state)
+            self._add_to_batch(state)
         batch.condense()
+
+    def _add_to_batch(self, state: CachedRequestState) -> None:
+        """Puts a request into the batch; one the batch refuses fails alone."""
+        try:
+            self.input_batch.add_request(state)
+        except ValueError as e:
+            self._drop_request(state.req_id)
+            self._failed[state.req_id] = RequestFailure.of(grpc.StatusCode.INVALID_ARGUMENT,
+                                                           str(e))
+
+    def _drop_request(self, req_id: str) -> None:
+        """Forgets a request the worker failed; the scheduler frees its blocks."""
+        self.requests.pop(req_id, None)
+        self._prompt_logprobs_req_ids.discard(req_id)
+        self.input_batch.remove_request(req_id)
 
     def _add_new_request(self, new_req: NewRequestData) -> CachedRequestState:
         """Records a request sent in full; the caller puts it into the batch."""
@@ -356,12 +380,15 @@ class ModelRunner:
 
         A request whose prompt is not finished after this step gets ``[]`` (its
         sample is discarded); the others get their sampled token, which is also
-        appended to the request's token ids.
+        appended to the request's token ids. A request the worker cannot serve
+        (refused by the batch or a logits processor, logits not finite) is
+        dropped and reported in ``failed`` instead; the others go on.
         """
+        self._failed = {}
         self._update_states(scheduler_output)
         num_reqs = self.input_batch.num_reqs
         if num_reqs == 0 or scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(step_id=scheduler_output.step_id)
+            return ModelRunnerOutput(step_id=scheduler_output.step_id, failed=self._failed)
         inputs = self._prepare_inputs(scheduler_output)
         with self.forward_context.set(inputs.cudagraph_runtime_mode, inputs.batch_descriptor):
             hidden_states = self._forward(
@@ -372,35 +399,67 @@ class ModelRunner:
         sampler_output = self.sampler(logits, sampling_metadata)
         prompt_logprobs = self._compute_prompt_logprobs(hidden_states, inputs)
         output = self._record_samples(sampler_output)
+        for req_id in self._failed:
+            prompt_logprobs.pop(req_id, None)
         output.prompt_logprobs = prompt_logprobs
         output.step_id = scheduler_output.step_id
+        output.failed = self._failed
         return output
 
+    def fail_step(self, scheduler_output: SchedulerOutput, error: BaseException) -> ModelRunnerOutput:
+        """Drops every request of a step that raised, and empties the batch.
+
+        The step's requests fail with INTERNAL; those held here but not in the
+        step keep their state and re-enter the batch when next scheduled.
+        """
+        message = f"the worker failed to run the step: {error!r}"
+        failure = RequestFailure.of(grpc.StatusCode.INTERNAL, message)
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+        failed = {req_id: failure for req_id in scheduler_output.num_scheduled_tokens}
+        for req_id in failed:
+            self.requests.pop(req_id, None)
+            self._prompt_logprobs_req_ids.discard(req_id)
+        self.input_batch.reset()
+        return ModelRunnerOutput(step_id=scheduler_output.step_id, failed=failed)
+
     def _record_samples(self, sampler_output: SamplerOutput) -> ModelRunnerOutput:
-        """Appends each sample whose request is past its prompt; the rest are discarded."""
+        """Appends each sample whose request is past its prompt; the rest are discarded.
+
+        A row the sampler flagged (logits not finite, or a processor failed
+        it) fails its request instead: the sample is never kept.
+        """
         batch = self.input_batch
         num_reqs = batch.num_reqs
-        sampled = sampler_output.sampled_token_ids.tolist()  # the step's one device sync
+        sampled_t = sampler_output.sampled_token_ids
+        if sampler_output.nonfinite_rows is not None:
+            sampled_t = sampled_t.masked_fill(sampler_output.nonfinite_rows, _NONFINITE)
+        sampled = sampled_t.tolist()  # the step's one device sync
+        row_failures = sampler_output.row_failures
         # seq_lens (computed + scheduled) still holds this step's values.
         finished_prompt = (self.seq_lens.np[:num_reqs] >= batch.num_tokens[:num_reqs]).tolist()
-        req_ids: list[str] = list(batch.req_ids)  # type: ignore[arg-type]  # dense after condense
-        sampled_token_ids: list[list[int]] = []
-        logprobs: dict[str, Logprobs] = {}
+        out = ModelRunnerOutput()
         has_logprobs = sampler_output.logprobs_tensors is not None
-        for row, req_id in enumerate(req_ids):
-            if not finished_prompt[row]:
-                sampled_token_ids.append([])
-                continue
+        for row, req_id in enumerate(list(batch.req_ids)):
+            assert req_id is not None  # dense after condense
             token_id = sampled[row]
+            if token_id == _NONFINITE or row in row_failures:
+                self._failed[req_id] = row_failures.get(row) or _NONFINITE_FAILURE
+                self._drop_request(req_id)
+                continue
+            out.req_ids.append(req_id)
+            if not finished_prompt[row]:
+                out.sampled_token_ids.append([])
+                continue
             batch.append_token(row, token_id)
-            sampled_token_ids.append([token_id])
+            out.sampled_token_ids.append([token_id])
             num_logprobs = self.requests[req_id].sampling_params.logprobs if has_logprobs else None
             if num_logprobs is not None:
                 # -1 (whole vocabulary) keeps every column the batch computed.
-                logprobs[req_id] = sampler_output.logprobs_for_row(
+                out.logprobs[req_id] = sampler_output.logprobs_for_row(
                     row, num_logprobs if num_logprobs >= 0 else None
                 )
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_token_ids, logprobs=logprobs)
+        return out
 
     def _compute_prompt_logprobs(
         self, hidden_states: torch.Tensor, inputs: _StepInputs

@@ -8,6 +8,8 @@ KV blocks, null block included, that the scheduler's pool must use) ->
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -20,6 +22,10 @@ from services.worker.config import ModelConfig, WorkerConfig
 from services.worker.kv_cache import KVCacheSpec, allocate_kv_caches, determine_num_blocks
 from services.worker.model_loader import load_model
 from services.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+# Steps in a row that may fail before the worker gives up and exits.
+MAX_CONSECUTIVE_FAILED_STEPS = 3
 
 
 class Worker:
@@ -34,6 +40,7 @@ class Worker:
         self.max_model_len = 0
         self.num_blocks = 0
         self.model_runner: ModelRunner | None = None
+        self.num_consecutive_failed_steps = 0
 
     def load_model(self) -> None:
         """Loads the weights onto the device and fixes ``max_model_len``."""
@@ -80,9 +87,27 @@ class Worker:
         return num_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs one step. A step that raises fails its own requests and the worker goes on.
+
+        The error is raised instead when the device itself failed (its error
+        is sticky) or after MAX_CONSECUTIVE_FAILED_STEPS in a row: then only a
+        restart helps, and the scheduler re-places the requests elsewhere.
+        """
         if self.model_runner is None:
             raise RuntimeError("execute_model() needs initialize_kv_cache() first")
-        return self.model_runner.execute_model(scheduler_output)
+        try:
+            output = self.model_runner.execute_model(scheduler_output)
+        except torch.AcceleratorError:
+            raise
+        except Exception as e:
+            self.num_consecutive_failed_steps += 1
+            if self.num_consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+                raise
+            logger.exception("event=step_failed step_id=%d num_requests=%d",
+                             scheduler_output.step_id, len(scheduler_output.num_scheduled_tokens))
+            return self.model_runner.fail_step(scheduler_output, e)
+        self.num_consecutive_failed_steps = 0
+        return output
 
     def registration_info(self, worker_id: str = "") -> WorkerRegistration:
         """What this worker registers with the scheduler as ``worker_id``."""

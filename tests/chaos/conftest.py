@@ -10,6 +10,7 @@ outputs equal to a fault-free run.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +25,8 @@ from kvmesh.cluster import LocalCluster
 from tests.e2e.helpers import all_blocks_free, tiny_cluster_config, wait_for
 from tests.e2e.tiny_model import save_tiny_llama
 
+# Fails requests that ask with extra_args={"poison": "refuse" | "raise" | "nan"}.
+POISON_PROCESSOR = "tests.worker.sample.kvmesh_test_logitsprocs:PoisonAdapter"
 # Codes a client sees when its frontend or connection goes away: it retries
 # the request (on the other frontend), as any client of a replicated service does.
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
@@ -129,6 +132,9 @@ def cluster(tiny_model_dir, tmp_path_factory) -> Iterator[LocalCluster]:
         tiny_model_dir, tmp_path_factory.mktemp("logs"), num_workers=2, num_frontends=2,
         scheduler_args=["--max-num-seqs", "4", "--worker-step-timeout-s", "3"],
     )
+    # Only the workers run it, so poisoned requests get past the frontends.
+    config = dataclasses.replace(config, worker_args=[*config.worker_args, "--logits-processors",
+                                                      POISON_PROCESSOR])
     cluster = LocalCluster(config).start()
     yield cluster
     cluster.stop()

@@ -70,7 +70,8 @@ def test_a_single_fault_loses_nothing(cluster, supervisor, baseline, fault):
 
 def test_poison_requests_and_peers_hurt_no_one_else(cluster, supervisor, baseline):
     """While the workload runs: a bad token id through the public API and through
-    the scheduler's port, a worker without the secret, and one that lies."""
+    the scheduler's port, requests a worker's logits processor refuses, breaks
+    on, or turns to NaN, a worker without the secret, and one that lies."""
     errors: dict[str, grpc.StatusCode] = {}
 
     def poison() -> None:
@@ -79,14 +80,23 @@ def test_poison_requests_and_peers_hurt_no_one_else(cluster, supervisor, baselin
                 client.complete(token_ids=[5, 10**6], max_tokens=4)
             except grpc.RpcError as e:
                 errors["public"] = e.code()
+            for kind in ("refuse", "raise", "nan"):
+                try:
+                    client.complete("poisoned", max_tokens=4, extra_args={"poison": kind})
+                except grpc.RpcError as e:
+                    errors[kind] = e.code()
         errors["scheduler"] = _scheduler_port_poison(cluster)
         errors["no_secret_worker"] = _register(cluster, secret=None)
         errors["lying_worker"] = _register(cluster, secret=cluster.cluster_secret, lie=True)
 
+    num_restarts = len(supervisor.restarted)
     outcome = run_workload(cluster, poison)
     assert outcome.failures == {} and outcome.num_retries == 0
     assert outcome.tokens == baseline.tokens
+    assert len(supervisor.restarted) == num_restarts  # no process went down
     assert errors == {"public": grpc.StatusCode.INVALID_ARGUMENT,
+                      "refuse": grpc.StatusCode.INVALID_ARGUMENT,
+                      "raise": grpc.StatusCode.INTERNAL, "nan": grpc.StatusCode.INTERNAL,
                       "scheduler": grpc.StatusCode.INVALID_ARGUMENT,
                       "no_secret_worker": grpc.StatusCode.UNAUTHENTICATED,
                       "lying_worker": grpc.StatusCode.OK}

@@ -267,7 +267,7 @@ def test_abort_between_schedule_and_update_drops_the_sample():
 
 def test_a_request_the_worker_dropped_fails_alone_with_its_status():
     scheduler = make_scheduler()
-    scheduler.add_request(make_request("bad", [1] * 5))
+    scheduler.add_request(make_request("bad", [1] * 17))
     scheduler.add_request(make_request("good", [2] * 5))
     scheduler_output = scheduler.schedule()
     failure = RequestFailure.of(grpc.StatusCode.INVALID_ARGUMENT, "extra_args.ban: not a list")
@@ -282,7 +282,11 @@ def test_a_request_the_worker_dropped_fails_alone_with_its_status():
     assert good.new_token_ids == [9] and not good.finished
     assert list(scheduler.requests) == ["good"]
     assert scheduler.kv_cache_manager.get_block_ids("bad") == []
-    assert scheduler.schedule().finished_req_ids == {"bad"}
+    # Its KV may never have been written: the same prompt again hits nothing.
+    scheduler.add_request(make_request("again", [1] * 17))
+    scheduler_output, by_id = run_step(scheduler)
+    assert "bad" in scheduler_output.finished_req_ids
+    assert by_id["again"].num_cached_tokens == 0
 
 
 def test_priority_policy_admits_by_priority_then_arrival():

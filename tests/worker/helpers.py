@@ -61,6 +61,8 @@ class RunResult:
     prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)
     scheduled_per_step: list[dict[str, int]] = field(default_factory=list)
     num_steps_with_discarded_sample: int = 0
+    # Requests that failed: (grpc status code value, message).
+    errors: dict[str, tuple[int, str]] = field(default_factory=dict)
 
 
 def run_engine(scheduler: Scheduler, worker: Worker,
@@ -87,6 +89,8 @@ def run_engine(scheduler: Scheduler, worker: Worker,
             for out in outputs.outputs:
                 result.token_ids[out.request_id].extend(out.new_token_ids)
                 result.num_cached_tokens[out.request_id] = out.num_cached_tokens
+                if out.status_code:
+                    result.errors[out.request_id] = (out.status_code, out.finish_message)
                 for target, new in ((result.logprobs, out.new_logprobs),
                                     (result.prompt_logprobs, out.new_prompt_logprobs)):
                     if new is not None:

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from services.common.engine import Logprobs
+from services.common.model_runner_output import RequestFailure
 from services.worker.sample.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
 from services.worker.sample.ops.penalties import apply_penalties, make_padded_token_ids
 from services.worker.sample.ops.topk_topp import apply_top_k_top_p, random_sample
@@ -19,6 +20,11 @@ class SamplerOutput:
     sampled_token_ids: torch.Tensor  # int64 [num_reqs]
     # Set when any row asked for logprobs: N = the largest number asked for.
     logprobs_tensors: LogprobsTensors | None = None
+    # bool [num_reqs]: the row's logits were not finite (NaN, +inf, or every
+    # token masked); its sample means nothing.
+    nonfinite_rows: torch.Tensor | None = None
+    # Rows a logits processor could not serve (see LogitsProcessor.take_row_failures).
+    row_failures: dict[int, RequestFailure] = field(default_factory=dict)
     _logprobs_lists: Logprobs | None = field(default=None, init=False, repr=False)
 
     def logprobs_for_row(self, row: int, num_logprobs: int | None = None) -> Logprobs:
@@ -61,7 +67,10 @@ class Sampler(nn.Module):
         rows keep their step-6 token.
     11. If logprobs were asked for, gather the sampled token's logprob and
         rank and the top-N of step 1's logprobs.
-    The logits are modified in place. On CUDA the host never waits for the
+    Rows whose logits are not finite where they are sampled (after step 5,
+    and for random rows after step 9) are flagged in ``nonfinite_rows``, and
+    the rows a processor failed are in ``row_failures``: one request's poison
+    never stops the batch. The logits are modified in place. On CUDA the host never waits for the
     device here; penalties upload the output token lists each step.
     """
 
@@ -75,12 +84,16 @@ class Sampler(nn.Module):
             logits = proc.apply(logits)
         if not md.no_penalties:
             logits = self.apply_penalties(logits, md)
-        sampled = self.sample(logits, md)
+        nonfinite = _nonfinite_rows(logits)
+        sampled = self.sample(logits, md, nonfinite)
         logprobs_tensors = None
         if raw_logprobs is not None:
             assert md.max_num_logprobs is not None
             logprobs_tensors = gather_logprobs(raw_logprobs, md.max_num_logprobs, sampled)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors)
+        row_failures: dict[int, RequestFailure] = {}
+        for proc in md.logitsprocs.all:
+            row_failures.update(proc.take_row_failures())
+        return SamplerOutput(sampled, logprobs_tensors, nonfinite, row_failures)
 
     @staticmethod
     def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -99,11 +112,11 @@ class Sampler(nn.Module):
         )
 
     @staticmethod
-    def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """Steps 6-10: int64 ``[num_reqs]`` token ids."""
+    def sample(logits: torch.Tensor, md: SamplingMetadata, nonfinite: torch.Tensor) -> torch.Tensor:
+        """Steps 6-10: int64 ``[num_reqs]`` token ids; flags random rows made non-finite."""
         if md.all_random:
             assert md.temperature is not None
-            return Sampler.sample_random(logits, md, md.temperature)
+            return Sampler.sample_random(logits, md, md.temperature, nonfinite)
         greedy = logits.argmax(dim=-1)
         if md.all_greedy:
             return greedy
@@ -111,16 +124,30 @@ class Sampler(nn.Module):
         is_greedy = md.temperature < SAMPLING_EPS
         # Greedy rows divide by 1: their random sample is discarded anyway.
         temperature = torch.where(is_greedy, 1.0, md.temperature)
-        return torch.where(is_greedy, greedy, Sampler.sample_random(logits, md, temperature))
+        random_rows_nonfinite = torch.zeros_like(nonfinite)
+        sampled = Sampler.sample_random(logits, md, temperature, random_rows_nonfinite)
+        nonfinite |= random_rows_nonfinite & ~is_greedy
+        return torch.where(is_greedy, greedy, sampled)
 
     @staticmethod
     def sample_random(
-        logits: torch.Tensor, md: SamplingMetadata, temperature: torch.Tensor
+        logits: torch.Tensor, md: SamplingMetadata, temperature: torch.Tensor,
+        nonfinite: torch.Tensor,
     ) -> torch.Tensor:
-        """Steps 7-10 for every row."""
+        """Steps 7-10 for every row; ORs rows left non-finite into ``nonfinite``."""
         logits.div_(temperature.unsqueeze(1))
         for proc in md.logitsprocs.argmax_invariant:
             logits = proc.apply(logits)
         logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.max_top_k)
+        nonfinite |= _nonfinite_rows(logits)
         probs = logits.softmax(dim=-1, dtype=torch.float32)
         return random_sample(probs, md.generators)
+
+
+def _nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """bool ``[num_reqs]``: rows holding a NaN or +inf, or masked everywhere.
+
+    One max per row: NaN and +inf propagate to it, and -inf is its value only
+    when every token is masked.
+    """
+    return ~torch.isfinite(logits.amax(dim=-1))

@@ -152,7 +152,7 @@ class SamplingState:
         self._check_row(row, occupied=False)
         if self._builder.moved:
             raise RuntimeError(_ORDER_ERROR)
-        self._validate(params, eos_token_id)
+        self.validate(params, eos_token_id)
         num_logprobs = -1
         if params.logprobs is not None:
             num_logprobs = resolve_num_logprobs(params.logprobs, self.vocab_size)
@@ -183,6 +183,42 @@ class SamplingState:
             (row, _with_eos_as_stop(params, eos_token_id), prompt_token_ids, output_token_ids)
         )
         self._metadata = None
+
+    def validate(self, params: SamplingParams, eos_token_id: int | None) -> None:
+        """Raises ValueError naming the first parameter this state cannot serve.
+
+        A processor's ``validate_params`` that raises anything is a refusal of
+        this request alone, reported as ValueError.
+        """
+        if params.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+        if not 0.0 < params.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+        if params.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {params.top_k}")
+        if params.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
+        if params.allowed_token_ids is not None and not params.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty")
+        token_id_fields = (
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("logit_bias", tuple(params.logit_bias or ())),
+            ("stop_token_ids", params.stop_token_ids),
+            ("eos_token_id", () if eos_token_id is None else (eos_token_id,)),
+        )
+        for name, token_ids in token_id_fields:
+            if token_ids and not (0 <= min(token_ids) and max(token_ids) < self.vocab_size):
+                bad = min(token_ids) if min(token_ids) < 0 else max(token_ids)
+                raise ValueError(
+                    f"{name} holds token id {bad}; allowed range is [0, {self.vocab_size})"
+                )
+        for proc in self.logitsprocs.all:
+            try:
+                type(proc).validate_params(params)
+            except Exception as e:
+                raise ValueError(
+                    f"logits processor {type(proc).__name__} rejected the request: {e}"
+                ) from e
 
     def remove_request(self, row: int) -> None:
         """Empty ``row``."""
@@ -251,37 +287,6 @@ class SamplingState:
         if bool(self._occupied[row]) != occupied:
             state = "empty" if occupied else "occupied"
             raise ValueError(f"row {row} is {state}")
-
-    def _validate(self, params: SamplingParams, eos_token_id: int | None) -> None:
-        if params.temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {params.temperature}")
-        if not 0.0 < params.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
-        if params.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {params.top_k}")
-        if params.repetition_penalty <= 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
-        if params.allowed_token_ids is not None and not params.allowed_token_ids:
-            raise ValueError("allowed_token_ids must not be empty")
-        token_id_fields = (
-            ("allowed_token_ids", params.allowed_token_ids or ()),
-            ("logit_bias", tuple(params.logit_bias or ())),
-            ("stop_token_ids", params.stop_token_ids),
-            ("eos_token_id", () if eos_token_id is None else (eos_token_id,)),
-        )
-        for name, token_ids in token_id_fields:
-            if token_ids and not (0 <= min(token_ids) and max(token_ids) < self.vocab_size):
-                bad = min(token_ids) if min(token_ids) < 0 else max(token_ids)
-                raise ValueError(
-                    f"{name} holds token id {bad}; allowed range is [0, {self.vocab_size})"
-                )
-        for proc in self.logitsprocs.all:
-            try:
-                type(proc).validate_params(params)
-            except ValueError as e:
-                raise ValueError(
-                    f"logits processor {type(proc).__name__} rejected the request: {e}"
-                ) from e
 
     def _clear_row(self, row: int) -> None:
         self._params_np[:, row] = self._neutral

@@ -125,3 +125,42 @@ class BanExtraArgsTokensAdapter(AdapterLogitsProcessor):
             return logits
 
         return ban
+
+
+class PoisonAdapter(AdapterLogitsProcessor):
+    """Fails the requests that ask for it with ``extra_args["poison"]``, each its own way.
+
+    "refuse": ``new_req_logits_processor`` raises ValueError (a refusal of the
+    arguments); "raise": the callable raises; "nan": the callable writes NaN.
+    """
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def new_req_logits_processor(self, params: SamplingParams):
+        poison = (params.extra_args or {}).get("poison")
+        if poison is None:
+            return None
+        if poison == "refuse":
+            raise ValueError("extra_args['poison'] is 'refuse'")
+
+        def poisoned(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+            if poison == "raise":
+                raise RuntimeError("poisoned callable")
+            logits[0] = float("nan")
+            return logits
+
+        return poisoned
+
+
+class ExplodingProcessor(BanFirstTokenProcessor):
+    """Raises from update_state when a request with ``extra_args["explode"]`` joins:
+    a failure no row can be blamed for, so the whole step fails."""
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        for _, params, _, _ in batch_update.added if batch_update else ():
+            if (params.extra_args or {}).get("explode"):
+                raise RuntimeError("exploding processor")
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
@@ -119,11 +120,36 @@ def test_adapter_three_argument_callable_gets_the_prompt_and_follows_moves() -> 
     assert greedy(state, logits.expand(2, -1)) == [2, 0]
 
 
-def test_adapter_rejects_a_callable_of_the_wrong_arity() -> None:
-    state = SamplingState(1, 5, CPU, logitsprocs=[f"{MODULE}:FourArgAdapter"])
-    state.add_request(0, SamplingParams(temperature=0.0, seed=4), [0], [])
-    with pytest.raises(ValueError, match="FourArgAdapter: .* got 4"):
-        state.make_sampling_metadata(1)
+def test_adapter_fails_the_request_of_a_callable_of_the_wrong_arity() -> None:
+    state = SamplingState(2, 5, CPU, logitsprocs=[f"{MODULE}:FourArgAdapter"])
+    state.add_request(0, SamplingParams(temperature=0.0), [0], [])
+    state.add_request(1, SamplingParams(temperature=0.0, seed=4), [0], [])
+    output = Sampler()(torch.tensor([[5.0, 1.0, 2.0, 0.0, 0.0]] * 2),
+                       state.make_sampling_metadata(2))
+    assert output.sampled_token_ids.tolist()[0] == 0
+    assert list(output.row_failures) == [1]
+    assert output.row_failures[1].status_code == grpc.StatusCode.INTERNAL.value[0]
+    assert "FourArgAdapter" in output.row_failures[1].message
+    assert "got 4" in output.row_failures[1].message
+
+
+@pytest.mark.parametrize(("poison", "code", "message"), [
+    ("refuse", grpc.StatusCode.INVALID_ARGUMENT,
+     "logits processor PoisonAdapter refused the request: extra_args['poison'] is 'refuse'"),
+    ("raise", grpc.StatusCode.INTERNAL,
+     "logits processor PoisonAdapter failed: RuntimeError('poisoned callable')"),
+])
+def test_a_poisoned_row_fails_alone_and_its_neighbours_sample(poison, code, message) -> None:
+    state = SamplingState(3, 5, CPU, logitsprocs=[f"{MODULE}:PoisonAdapter"])
+    for row in range(3):
+        extra_args = {"poison": poison} if row == 1 else None
+        state.add_request(row, SamplingParams(temperature=0.0, extra_args=extra_args), [0], [])
+    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0, 0.0]] * 3)
+    output = Sampler()(logits, state.make_sampling_metadata(3))
+    assert {row: (f.status_code, f.message) for row, f in output.row_failures.items()} == \
+        {1: (code.value[0], message)}
+    assert output.sampled_token_ids.tolist()[0::2] == [2, 2]
+    assert not output.nonfinite_rows.any()
 
 
 def test_plugin_sees_extra_args_as_the_worker_receives_them() -> None:

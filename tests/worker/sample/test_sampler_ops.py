@@ -294,3 +294,30 @@ def test_cpu_partial_top_p_matches_the_full_sort(scale: float, partial_suffices:
         full = topk_topp._apply_top_k_top_p_sorted(logits.clone(), k, top_p)
         assert torch.equal(fast.isinf(), full.isinf())
         assert torch.equal(fast[~fast.isinf()], logits[~fast.isinf()])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rows_whose_logits_are_not_finite_are_flagged_alone(temperature: float) -> None:
+    """A NaN, a +inf, or a row masked everywhere: the sample means nothing."""
+    state, _ = make_state([SamplingParams(temperature=temperature)] * 4, 4)
+    logits = torch.tensor([[0.0, 3.0, 1.0, 0.0],
+                           [0.0, float("nan"), 1.0, 0.0],
+                           [0.0, float("inf"), 1.0, 0.0],
+                           [float("-inf")] * 4])
+    output = Sampler()(logits, state.make_sampling_metadata(4))
+    assert output.nonfinite_rows.tolist() == [False, True, True, True]
+    if temperature == 0.0:
+        assert output.sampled_token_ids.tolist()[0] == 1
+
+
+def test_a_random_row_made_nan_after_step_5_is_flagged_greedy_rows_not() -> None:
+    """The random path checks its own logits again, just before sampling."""
+    state, _ = make_state([SamplingParams(temperature=0.0), SamplingParams(temperature=0.5)], 3)
+    md = state.make_sampling_metadata(2)
+    # A NaN temperature (no request can ask for one) stands for any step after
+    # step 5 that breaks the row: the division makes it NaN.
+    logits = torch.tensor([[0.0, 2.0, 1.0], [0.0, 1.0, 0.0]])
+    md.temperature[1] = 0.0 * float("inf")
+    output = Sampler()(logits, md)
+    assert output.nonfinite_rows.tolist() == [False, True]
+    assert output.sampled_token_ids.tolist()[0] == 1

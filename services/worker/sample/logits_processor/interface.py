@@ -16,6 +16,7 @@ from typing import TypeVar
 
 import torch
 
+from services.common.model_runner_output import RequestFailure
 from services.common.sampling_params import SamplingParams
 
 
@@ -116,6 +117,14 @@ class LogitsProcessor(ABC):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         """Follow the batch; called every step (None when rows did not change)."""
         raise NotImplementedError
+
+    def take_row_failures(self) -> dict[int, RequestFailure]:
+        """Rows whose request this processor could not serve since the last call.
+
+        The worker drops each such request alone, with the failure's status,
+        and discards its sample; the other rows go on. The built-ins never fail.
+        """
+        return {}
 
 
 T = TypeVar("T")
