@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kernels.paged_attention import (
     PagedAttentionPlan,
@@ -68,13 +69,26 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
 
 
 @functools.cache
-def compiled_decode_attention() -> Callable[..., torch.Tensor]:
-    """`decode_attention` compiled once per process for every batch size and context length.
+def _compiled_decode_attention() -> Callable[..., torch.Tensor]:
+    # Compiled lazily, on the first decode step, so that importing kernels needs
+    # no C++ compiler; inductor's on-disk cache makes later processes skip the build.
+    return torch.compile(decode_attention)
 
-    Compiled lazily, on the first decode step, so that importing kernels needs no
-    C++ compiler; inductor's on-disk cache makes later processes skip the build.
+
+def compiled_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
+                              value_cache: torch.Tensor, block_table: torch.Tensor,
+                              seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """`decode_attention` through inductor, one compiled variant per dtype for every
+    batch size and context length (plus torch's batch-of-one specialization).
+
+    Only the batch and block-count dimensions are dynamic: a dynamic cache shape
+    would let torch tie it to an equal batch size, and recompile when they differ.
     """
-    return torch.compile(decode_attention, dynamic=True)
+    for tensor, dims in ((query, (0,)), (block_table, (0, 1)), (seq_lens, (0,))):
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    return _compiled_decode_attention()(query, key_cache, value_cache, block_table, seq_lens,
+                                        scale)
 
 
 @dataclass(slots=True)
@@ -113,16 +127,23 @@ def plan_paged_attention_cpu(block_table: torch.Tensor, query_start_loc: torch.T
     if num_decodes == num_reqs and num_actual_tokens == num_reqs:
         decode_rows, decode_reqs = None, None
     decode_seq_lens = seq_lens if decode_reqs is None else seq_lens[decode_reqs]
-    max_blocks = -(-int(decode_seq_lens.max()) // block_size) if num_decodes else 0
+    # At least two block columns: torch specializes a dimension of size 1, and each
+    # specialization is one more compiled variant of the kernel (dynamo keeps 8).
+    max_blocks = max(-(-int(decode_seq_lens.max()) // block_size), 2) if num_decodes else 0
     decode_block_table = block_table[:num_reqs] if decode_reqs is None else block_table[decode_reqs]
+    if decode_block_table.shape[1] < max_blocks:
+        decode_block_table = F.pad(decode_block_table, (0, max_blocks - decode_block_table.shape[1]))
     prefill = None
     if num_decodes < num_reqs:
         prefill = plan_paged_attention(block_table, query_start_loc, seq_lens, num_reqs,
                                        num_actual_tokens, block_size, num_kv_heads, head_size)
         prefill.chunks = [c for c in prefill.chunks if isinstance(c, _PrefillChunk)]
+    # Copies (small: ints per request), so that the kernel's inputs are always fresh
+    # tensors: a view of the runner's buffers differs from one made here in what
+    # torch.compile guards on (an inference-mode tensor or not), which would recompile.
     return CpuAttentionPlan(num_reqs, num_actual_tokens, num_decodes, decode_rows,
-                            decode_block_table[:, :max_blocks].contiguous(),
-                            decode_seq_lens.contiguous(), prefill)
+                            decode_block_table[:, :max_blocks].clone(),
+                            decode_seq_lens.clone(), prefill)
 
 
 def paged_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -153,8 +174,8 @@ def paged_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     if plan.num_decodes:
         rows = plan.decode_rows
         q = query[: plan.num_decodes] if rows is None else query.index_select(0, rows)
-        o = compiled_decode_attention()(q, key_cache, value_cache, plan.decode_block_table,
-                                        plan.decode_seq_lens, scale)
+        o = compiled_decode_attention(q, key_cache, value_cache, plan.decode_block_table,
+                                      plan.decode_seq_lens, scale)
         if rows is None:
             out[: plan.num_decodes] = o
         else:

@@ -69,6 +69,9 @@ def test_plan_is_shared_and_checked() -> None:
     # Decodes are requests 0 and 2 of MIXED; the rest go through the prefill chunks.
     assert plan.num_decodes == 2 and plan.decode_rows.tolist() == [0, 8]
     assert plan.decode_block_table.shape == (2, 3)  # 33 keys in blocks of 16
+    short = plan_paged_attention_cpu(batch.block_table[:1, :1], batch.query_start_loc[:2],
+                                     torch.tensor([5], dtype=torch.int32), 1, 1, 16, 2, 32)
+    assert short.decode_block_table.shape == (1, 2)  # never one column: see the plan
     assert torch.equal(paged_attention_cpu(*args, plan=plan), paged_attention_cpu(*args))
     with pytest.raises(ValueError, match="plan for"):
         paged_attention_cpu(*args[:8], args[8] - 1, *args[9:], plan=plan)
