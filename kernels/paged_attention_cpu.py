@@ -8,7 +8,8 @@ nest that loads each key and value through the block table where it lies in the 
 (an indirect load fused into the dot products; nothing is gathered first), with a
 float32 softmax. Requests with several queries (prefill, chunked prefill) gather
 their keys as the reference does, since there the copy is small next to the
-q_len x seq_len work, and attend with SDPA in the query's dtype.
+q_len x seq_len work, and attend with SDPA in the query's dtype (a request's whole
+prompt in one step as plain causal attention, without a mask).
 
 `plan_paged_attention_cpu` does the index work once per step; every layer reuses it.
 """
@@ -184,5 +185,26 @@ def paged_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         same_dtype = query.dtype == key_cache.dtype
         compute_dtype = query.dtype if same_dtype else torch.float32
         for chunk in plan.prefill.chunks:
-            _attend_prefill(query, key_cache, value_cache, chunk, scale, compute_dtype, out)
+            if chunk.num_reqs == 1 and chunk.max_q == chunk.max_k:
+                _attend_fresh_prompt(query, key_cache, value_cache, chunk, scale, compute_dtype, out)
+            else:
+                _attend_prefill(query, key_cache, value_cache, chunk, scale, compute_dtype, out)
     return out
+
+
+def _attend_fresh_prompt(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                         chunk: _PrefillChunk, scale: float, compute_dtype: torch.dtype,
+                         out: torch.Tensor) -> None:
+    """One request's whole prompt in one chunk: plain causal attention over its own
+    rows, which lets SDPA run its flash kernel instead of reading an explicit mask."""
+    num_tokens, (_, _, num_kv_heads, head_size) = chunk.max_q, key_cache.shape
+    first = int(chunk.query_rows[0])
+    rows = slice(first, first + num_tokens)
+    k = key_cache.reshape(-1, num_kv_heads, head_size).index_select(0, chunk.key_slots)
+    v = value_cache.reshape(-1, num_kv_heads, head_size).index_select(0, chunk.key_slots)
+    o = F.scaled_dot_product_attention(
+        query[rows].to(compute_dtype).transpose(0, 1), k.to(compute_dtype).transpose(0, 1),
+        v.to(compute_dtype).transpose(0, 1), is_causal=True, scale=scale,
+        enable_gqa=query.shape[1] != num_kv_heads,
+    )
+    out[rows] = o.transpose(0, 1)

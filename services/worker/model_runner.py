@@ -79,7 +79,8 @@ class ModelRunner:
     a mode other than NONE needs a CUDA device (WorkerConfig checks it) and
     ``capture_model()`` before the first step. ``compile_pieces`` compiles the
     model's pieces between attention calls with torch.compile, on the CPU only
-    (``compiled_pieces`` says whether it happened); they compile on first use.
+    (``compiled_pieces`` says whether it happened); inductor builds them on
+    their first calls, which the worker makes in warm-up steps (``warmup.py``).
     """
 
     def __init__(

@@ -21,7 +21,8 @@ from tests.kernels.test_paged_attention import (
     max_rel_error,
 )
 
-LENS = {"decode": DECODE_ONLY, "prefill": PREFILL_ONLY, "mixed": MIXED}
+# "prompt": one whole prompt alone, which takes plain causal attention (no mask).
+LENS = {"decode": DECODE_ONLY, "prefill": PREFILL_ONLY, "mixed": MIXED, "prompt": ([37], [37])}
 # Relative to the float64 oracle: float32 math, and bfloat16 inputs and output.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
