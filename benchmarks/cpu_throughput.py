@@ -197,7 +197,9 @@ def run_generation(args, tokenizer, model_dir) -> tuple[dict, dict, dict]:
             single[LLAMA_CPP].append(single_stream(
                 lambda p: llama_cpp_tok_s(llm, p, args.output_len), singles))
             prefill[LLAMA_CPP].append(llama_cpp_prefill_tok_s(llm, prefill_prompt))
-        print(f"repeat {r + 1}/{args.repeats} done", flush=True)
+        print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(
+            f"{name} {single[name][-1]:.1f} / {batched[name][-1] if name in batched else 0:.1f}"
+            f" / {prefill[name][-1]:.0f}" for name in single if single[name]), flush=True)
     return median_table(single), median_table(batched), median_table(prefill)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -60,9 +61,14 @@ def cpp_compiler_available() -> bool:
 
 
 def compile_piece(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` compiled by inductor for dynamic shapes.
+    """``fn`` compiled by inductor for dynamic shapes, with compiled variants of its own.
 
-    Past dynamo's recompile limit (8 variants of one function: dtypes, models and
-    batch-of-one specializations in one process) a call runs eagerly instead.
+    Dynamo keeps the compiled variants of a function, and its limit of 8 of them,
+    per code object. Compiling a private copy of ``fn``'s code gives each model its
+    own variants (batch of one, larger batches), instead of every model in the
+    process (another dtype, int8) failing the others' guards and recompiling.
+    Identical graphs still come from inductor's cache.
     """
-    return torch.compile(fn, dynamic=True)
+    private = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                                 fn.__defaults__, fn.__closure__)
+    return torch.compile(private, dynamic=True)

@@ -214,7 +214,8 @@ class WorkerConfig:
     """How a worker loads its model and sizes its batch and KV cache.
 
     ``model`` None is the default model (SmolLM2-135M-Instruct). ``dtype``:
-    "auto" (the checkpoint's), "float32", "bfloat16", "float16".
+    "auto" (see ``parse_dtype``: bfloat16 on a CPU that computes it natively,
+    else float32; the checkpoint's on CUDA), "float32", "bfloat16", "float16".
     ``limits`` size the batch buffers; the worker reports them when it
     registers, and no step ever exceeds them.
     ``max_model_len`` None is min(the model's limit, 2048). ``num_kv_blocks``

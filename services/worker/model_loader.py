@@ -11,7 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from services.common.model_files import resolve_model_dir
-from services.worker.config import ModelConfig
+from services.worker.config import QUANTIZATION_METHODS, ModelConfig
 from services.worker.cpu_capability import CpuCapability
 from services.worker.models import get_model
 
@@ -51,8 +51,9 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "auto
     """
     model_dir = resolve_model_dir(model)
     config = ModelConfig.from_pretrained(model_dir, dtype, device, cpu)
-    if quantization not in (None, "int8"):
-        raise ValueError(f"quantization {quantization!r} is not supported; allowed: None, int8")
+    if quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization {quantization!r} is not supported; allowed: "
+                         f"{', '.join(str(m) for m in QUANTIZATION_METHODS)}")
     net = get_model(config, dtype=torch.float32 if quantization else None, device=device)
     net.load_weights(iter_safetensors_weights(model_dir))
     if quantization == "int8":

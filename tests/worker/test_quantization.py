@@ -1,5 +1,6 @@
 """Weight-only int8: the layer against its dequantized float weights, and the real
-model's quality (perplexity of a fixed text, the default chat answer)."""
+model's quality (perplexity of a fixed text; the chat answer is checked in
+test_cpu_dtypes.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from transformers import AutoTokenizer
 
 from services.worker.attention import AttentionMetadata
+from services.worker.config import WorkerConfig
 from services.worker.layers.quantization import (
     DEQUANTIZE_MIN_ROWS,
     INT8_KERNEL_K_MULTIPLE,
@@ -19,6 +22,7 @@ from services.worker.layers.quantization import (
     quantize_per_channel_int8,
 )
 from services.worker.model_loader import load_model
+from tests.worker.test_models import save_tiny_hf_model
 
 TEXT = (Path(__file__).parent / "data" / "perplexity_text.txt").read_text()
 # int8's perplexity may exceed bfloat16's by at most this fraction (issue 13).
@@ -68,9 +72,6 @@ def test_quantize_linears_replaces_every_linear() -> None:
 
 
 def test_int8_model_quantizes_every_linear_and_the_head(tmp_path: Path) -> None:
-    from tests.worker.test_models import save_tiny_hf_model
-    import transformers
-
     save_tiny_hf_model(tmp_path, transformers.LlamaConfig, tie_word_embeddings=True)
     model, config = load_model(tmp_path, "bfloat16", "cpu", quantization="int8")
     assert config.dtype == torch.bfloat16
@@ -109,3 +110,12 @@ def test_int8_perplexity_within_two_percent_of_bfloat16(default_model_dir: Path)
         results[name] = perplexity(model, config, token_ids)
     assert results["bfloat16"] < 30  # the model reads plain English well
     assert results["int8"] <= results["bfloat16"] * (1 + MAX_PERPLEXITY_INCREASE), results
+
+
+def test_quantization_is_validated() -> None:
+    with pytest.raises(ValueError, match="quantization is 'int4'; allowed: None, int8"):
+        WorkerConfig(quantization="int4")
+    with pytest.raises(ValueError, match="runs on the CPU only"):
+        WorkerConfig(quantization="int8", device="cuda")
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int8' is not supported"):
+        WorkerConfig(kv_cache_dtype="int8")
