@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 from kernels.paged_attention import (
     PagedAttentionPlan,
-    _attend_prefill,
     _check_shapes,
     _make_out,
     _PrefillChunk,
@@ -188,8 +187,26 @@ def paged_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cach
             if chunk.num_reqs == 1 and chunk.max_q == chunk.max_k:
                 _attend_fresh_prompt(query, key_cache, value_cache, chunk, scale, compute_dtype, out)
             else:
-                _attend_prefill(query, key_cache, value_cache, chunk, scale, compute_dtype, out)
+                _attend_chunk(query, key_cache, value_cache, chunk, scale, compute_dtype, out)
     return out
+
+
+def _attend_chunk(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  chunk: _PrefillChunk, scale: float, compute_dtype: torch.dtype,
+                  out: torch.Tensor) -> None:
+    """The reference's padded, masked chunk, with K/V heads repeated for their query
+    heads (SDPA's ``enable_gqa`` takes the CPU's unfused math kernel)."""
+    num_reqs, max_q, max_k = chunk.num_reqs, chunk.max_q, chunk.max_k
+    _, _, num_kv_heads, head_size = key_cache.shape
+    group = query.shape[1] // num_kv_heads
+    k, v = (cache.reshape(-1, num_kv_heads * head_size).index_select(0, chunk.key_slots)
+            .view(num_reqs, max_k, num_kv_heads, head_size).to(compute_dtype)
+            .repeat_interleave(group, dim=2).transpose(1, 2)
+            for cache in (key_cache, value_cache))
+    q = query.index_select(0, chunk.query_rows).view((num_reqs, max_q) + query.shape[1:])
+    o = F.scaled_dot_product_attention(q.to(compute_dtype).transpose(1, 2), k, v,
+                                       attn_mask=chunk.mask, scale=scale).transpose(1, 2)
+    out.index_copy_(0, chunk.out_rows, o[chunk.q_valid].to(out.dtype))
 
 
 def _attend_fresh_prompt(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -200,11 +217,13 @@ def _attend_fresh_prompt(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     num_tokens, (_, _, num_kv_heads, head_size) = chunk.max_q, key_cache.shape
     first = int(chunk.query_rows[0])
     rows = slice(first, first + num_tokens)
-    k = key_cache.reshape(-1, num_kv_heads, head_size).index_select(0, chunk.key_slots)
-    v = value_cache.reshape(-1, num_kv_heads, head_size).index_select(0, chunk.key_slots)
-    o = F.scaled_dot_product_attention(
-        query[rows].to(compute_dtype).transpose(0, 1), k.to(compute_dtype).transpose(0, 1),
-        v.to(compute_dtype).transpose(0, 1), is_causal=True, scale=scale,
-        enable_gqa=query.shape[1] != num_kv_heads,
-    )
-    out[rows] = o.transpose(0, 1)
+    # 4-D inputs, K/V heads repeated for their query heads: otherwise (3-D, or
+    # enable_gqa) the CPU SDPA falls back to its unfused math kernel, 3x slower on a
+    # 1,000-token prompt.
+    group = query.shape[1] // num_kv_heads
+    k, v = (cache.reshape(-1, num_kv_heads, head_size).index_select(0, chunk.key_slots)
+            .to(compute_dtype).repeat_interleave(group, dim=1).transpose(0, 1)[None]
+            for cache in (key_cache, value_cache))
+    q = query[rows].to(compute_dtype).transpose(0, 1)[None]
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    out[rows] = o[0].transpose(0, 1)
