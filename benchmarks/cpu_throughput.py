@@ -178,7 +178,6 @@ def run_generation(args, tokenizer, model_dir) -> tuple[dict, dict, dict]:
                for name, (dtype, quant) in KVMESH_VARIANTS.items()}
     hfs = {name: AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
            for name, dtype in HF_VARIANTS.items()}
-    llm = None if args.skip_llama_cpp else llama_cpp_model(args.threads)
     single: dict[str, list[float]] = {n: [] for n in [*engines, *hfs, LLAMA_CPP]}
     batched: dict[str, list[float]] = {n: [] for n in [*engines, *hfs]}
     prefill: dict[str, list[float]] = {n: [] for n in [*engines, *hfs, LLAMA_CPP]}
@@ -193,10 +192,15 @@ def run_generation(args, tokenizer, model_dir) -> tuple[dict, dict, dict]:
                 lambda p: hf_generate_tok_s(hf, tokenizer, [p], args.output_len), singles))
             batched[name].append(hf_generate_tok_s(hf, tokenizer, prompts, args.output_len))
             prefill[name].append(hf_prefill_tok_s(hf, prefill_prompt))
-        if llm is not None:
+        if not args.skip_llama_cpp:
+            # Loaded only for its own turn: a live llama.cpp context starved torch's
+            # threads measured beside it (single-stream kvmesh at a tenth of its speed).
+            llm = llama_cpp_model(args.threads)
             single[LLAMA_CPP].append(single_stream(
                 lambda p: llama_cpp_tok_s(llm, p, args.output_len), singles))
             prefill[LLAMA_CPP].append(llama_cpp_prefill_tok_s(llm, prefill_prompt))
+            llm.close()
+            del llm
         print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(
             f"{name} {single[name][-1]:.1f} / {batched[name][-1] if name in batched else 0:.1f}"
             f" / {prefill[name][-1]:.0f}" for name in single if single[name]), flush=True)
