@@ -70,8 +70,15 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
 
 @functools.cache
 def _compiled_decode_attention() -> Callable[..., torch.Tensor]:
-    # Compiled lazily, on the first decode step, so that importing kernels needs
-    # no C++ compiler; inductor's on-disk cache makes later processes skip the build.
+    # Compiled lazily, on the first decode step; inductor's on-disk cache makes later
+    # processes skip the build. Inductor needs a C++ compiler for the CPU: without
+    # one the same function runs eagerly (correct, gathering as it goes).
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception:  # RuntimeError when no compiler is found
+        return decode_attention
     return torch.compile(decode_attention)
 
 

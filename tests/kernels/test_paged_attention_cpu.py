@@ -83,3 +83,23 @@ def test_decode_only_batch_reads_query_rows_in_place() -> None:
     plan = plan_paged_attention_cpu(batch.block_table, batch.query_start_loc, batch.seq_lens,
                                     4, 4, 16, 2, 32)
     assert plan.decode_rows is None and plan.prefill is None
+
+
+def test_without_a_cpp_compiler_decode_runs_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch._inductor.cpp_builder as cpp_builder
+
+    from kernels import paged_attention_cpu as module
+
+    def no_compiler() -> str:
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
+    module._compiled_decode_attention.cache_clear()
+    try:
+        assert module._compiled_decode_attention() is decode_attention
+        batch = make_batch(*DECODE_ONLY, 16, 4, 2, 32, seed=1)
+        n = batch.num_actual_tokens
+        out = paged_attention_cpu(*batch.args(0.2))
+        assert max_rel_error(out[:n], dense_causal_attention(batch, 0.2)[:n]) < 1e-4
+    finally:
+        module._compiled_decode_attention.cache_clear()
