@@ -41,8 +41,10 @@ run: install model
 	$(VENV)/bin/kvmesh up --demo
 
 bench: install model
+	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) benchmarks/scheduler_step.py
 	$(PY) benchmarks/worker_throughput.py
+	$(PY) -m benchmarks.cpu_throughput
 
 clean:
 	rm -rf $(VENV) kvmesh/v1/*_pb2*.py

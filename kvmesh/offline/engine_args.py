@@ -26,10 +26,15 @@ class EngineArgs:
     ``model`` None is the default model (SmolLM2-135M-Instruct); ``device``
     None picks CUDA when available. ``num_kv_blocks`` overrides the KV cache
     sizing by memory (``kv_cache_gib`` on CPU, ``gpu_memory_utilization`` on CUDA).
+    ``dtype``, ``kv_cache_dtype``, ``quantization`` and ``compile_pieces`` are
+    WorkerConfig's (auto is bfloat16 on a CPU with native bfloat16).
     """
 
     model: str | None = None
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    compile_pieces: bool | None = None
     device: str | None = None
     block_size: int = 16
     kv_cache_gib: float = 1.0
@@ -61,7 +66,9 @@ class EngineArgs:
     def worker_config(self) -> WorkerConfig:
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         return WorkerConfig(
-            model=self.model, dtype=self.dtype, device=device, block_size=self.block_size,
+            model=self.model, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
+            quantization=self.quantization, compile_pieces=self.compile_pieces,
+            device=device, block_size=self.block_size,
             kv_cache_gib=self.kv_cache_gib, gpu_memory_utilization=self.gpu_memory_utilization,
             num_kv_blocks=self.num_kv_blocks, limits=self.scheduling_limits(),
             max_model_len=self.max_model_len, logits_processors=list(self.logits_processors),

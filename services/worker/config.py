@@ -23,6 +23,7 @@ from services.common.limits import SchedulingLimits
 from services.common.max_model_len import get_sliding_window, max_model_len_limit
 from services.common.security import TlsConfig
 from services.worker.cudagraph import CUDAGraphMode, default_capture_sizes
+from services.worker.cpu_capability import CpuCapability, detect_cpu_capability
 from services.worker.cudagraph.dispatcher import DEFAULT_MAX_CAPTURE_SIZE
 from services.worker.sample import ThinkingConfig
 
@@ -33,6 +34,8 @@ _DTYPES: MappingProxyType[str, torch.dtype] = MappingProxyType({
     "float16": torch.float16,
     "half": torch.float16,
 })
+# Values of WorkerConfig.quantization.
+QUANTIZATION_METHODS = (None, "int8")
 # Keys of a RoPE dict that are not scaling parameters.
 _ROPE_NON_SCALING_KEYS = ("rope_theta", "rope_type", "type")
 _DEFAULT_ROPE_THETA = 10000.0
@@ -44,11 +47,15 @@ _ARCHITECTURE_BY_MODEL_TYPE = MappingProxyType({
 })
 
 
-def parse_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None = None) -> torch.dtype:
+def parse_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None = None,
+                device: torch.device | str = "cpu", cpu: CpuCapability | None = None) -> torch.dtype:
     """Maps a dtype argument to a torch dtype.
 
-    ``"auto"`` is the checkpoint's dtype (``checkpoint_dtype``, as written in
-    config.json), or float32 when the checkpoint does not say.
+    ``"auto"`` on CUDA is the checkpoint's dtype (``checkpoint_dtype``, as
+    written in config.json), or float32 when the checkpoint does not say. On
+    the CPU it is bfloat16 where ``cpu`` (default: the running CPU) computes
+    bfloat16 natively, float32 otherwise, whatever the checkpoint says:
+    emulated half precision is slower than float32 there.
     """
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
@@ -56,10 +63,24 @@ def parse_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None = None) -
         return dtype
     name = dtype.lower().removeprefix("torch.")
     if name == "auto":
+        if torch.device(device).type == "cpu":
+            native_bf16 = (cpu or detect_cpu_capability()).native_bfloat16
+            return torch.bfloat16 if native_bf16 else torch.float32
         return parse_dtype(checkpoint_dtype) if checkpoint_dtype else torch.float32
     if name not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; allowed: auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
+
+
+def parse_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """``"auto"`` is the model's dtype; otherwise float32, bfloat16 or float16."""
+    if kv_cache_dtype.lower() == "auto":
+        return model_dtype
+    try:
+        return parse_dtype(kv_cache_dtype)
+    except ValueError:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; allowed: auto, "
+                         f"{', '.join(_DTYPES)}") from None
 
 
 @dataclass(slots=True)
@@ -106,17 +127,21 @@ class ModelConfig:
         return max_model_len_limit(self.max_position_embeddings, self.sliding_window)
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, dtype: str | torch.dtype = "auto") -> ModelConfig:
-        """Reads ``model_dir/config.json`` (and ``generation_config.json`` if present)."""
+    def from_pretrained(cls, model_dir: str | Path, dtype: str | torch.dtype = "auto",
+                        device: torch.device | str = "cpu",
+                        cpu: CpuCapability | None = None) -> ModelConfig:
+        """Reads ``model_dir/config.json`` (and ``generation_config.json`` if present);
+        ``dtype`` is resolved for ``device`` as ``parse_dtype`` says."""
         model_dir = Path(model_dir)
         hf = json.loads((model_dir / "config.json").read_text())
         generation_path = model_dir / "generation_config.json"
         generation = json.loads(generation_path.read_text()) if generation_path.exists() else {}
-        return cls.from_hf_dict(hf, generation, dtype)
+        return cls.from_hf_dict(hf, generation, dtype, device, cpu)
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], generation: dict[str, Any] | None = None,
-                     dtype: str | torch.dtype = "auto") -> ModelConfig:
+                     dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu",
+                     cpu: CpuCapability | None = None) -> ModelConfig:
         """Builds a config from parsed config.json / generation_config.json dicts."""
         architecture = _architecture(hf)
         num_heads = hf["num_attention_heads"]
@@ -137,7 +162,7 @@ class ModelConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             eos_token_ids=_eos_token_ids(hf, generation or {}),
-            dtype=parse_dtype(dtype, hf.get("dtype") or hf.get("torch_dtype")),
+            dtype=parse_dtype(dtype, hf.get("dtype") or hf.get("torch_dtype"), device, cpu),
             hidden_act=hf.get("hidden_act", "silu"),
             # Qwen2 always has q/k/v biases and no o_proj bias; Llama's
             # attention_bias covers all four projections.
@@ -190,7 +215,8 @@ class WorkerConfig:
     """How a worker loads its model and sizes its batch and KV cache.
 
     ``model`` None is the default model (SmolLM2-135M-Instruct). ``dtype``:
-    "auto" (the checkpoint's), "float32", "bfloat16", "float16".
+    "auto" (see ``parse_dtype``: bfloat16 on a CPU that computes it natively,
+    else float32; the checkpoint's on CUDA), "float32", "bfloat16", "float16".
     ``limits`` size the batch buffers; the worker reports them when it
     registers, and no step ever exceeds them.
     ``max_model_len`` None is min(the model's limit, 2048). ``num_kv_blocks``
@@ -199,6 +225,15 @@ class WorkerConfig:
     ``thinking`` names the think start/end tokens for ``thinking_token_budget``.
     ``num_threads`` sets torch's intra-op threads (None: torch's default, one
     per physical core).
+    ``kv_cache_dtype``: "auto" (the model's dtype), "float32", "bfloat16",
+    "float16". ``quantization``: None, or "int8" for weight-only int8 with
+    per-output-channel scales on every linear layer and the LM head
+    (activations stay in ``dtype``; CPU only).
+    ``compile_pieces``: compile the forward pass between attention calls with
+    ``torch.compile`` (inductor), the CPU counterpart of piecewise CUDA
+    graphs; None is on for the CPU and off for CUDA. Compiled artefacts are
+    cached in ``compile_cache_dir`` (None: ``<kvmesh cache>/inductor``) so a
+    restart does not compile again.
     ``cudagraph_mode``: NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or
     FULL_AND_PIECEWISE; None is FULL_AND_PIECEWISE on CUDA and NONE on the CPU
     (where any other mode is an error). Graphs are captured for
@@ -219,6 +254,10 @@ class WorkerConfig:
     logits_processors: list[str] = field(default_factory=list)
     thinking: ThinkingConfig | None = None
     num_threads: int | None = None
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    compile_pieces: bool | None = None
+    compile_cache_dir: str | None = None
     cudagraph_mode: str | None = None
     cudagraph_capture_sizes: list[int] | None = None
     max_cudagraph_capture_size: int | None = None
@@ -230,6 +269,13 @@ class WorkerConfig:
             raise ValueError(f"num_threads is {self.num_threads}, must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len is {self.max_model_len}, must be >= 2")
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization is {self.quantization!r}; allowed: None, "
+                             f"{', '.join(m for m in QUANTIZATION_METHODS if m)}")
+        if self.quantization is not None and torch.device(self.device).type != "cpu":
+            raise ValueError(f"quantization {self.quantization!r} runs on the CPU only, "
+                             f"not on {self.device!r}")
+        parse_kv_cache_dtype(self.kv_cache_dtype, torch.float32)  # raises naming the field
         mode = self.resolved_cudagraph_mode()
         if mode is not CUDAGraphMode.NONE and torch.device(self.device).type != "cuda":
             raise ValueError(f"cudagraph_mode {mode.name} needs a CUDA device, not "
@@ -249,6 +295,12 @@ class WorkerConfig:
             return CUDAGraphMode.parse(self.cudagraph_mode)
         is_cuda = torch.device(self.device).type == "cuda"
         return CUDAGraphMode.FULL_AND_PIECEWISE if is_cuda else CUDAGraphMode.NONE
+
+    def resolved_compile_pieces(self) -> bool:
+        """Whether the pieces between attention run compiled (see the class docstring)."""
+        if self.compile_pieces is not None:
+            return self.compile_pieces
+        return torch.device(self.device).type == "cpu"
 
     def resolved_capture_sizes(self) -> list[int]:
         """The token counts to capture graphs for (see the class docstring)."""

@@ -11,7 +11,8 @@ from safetensors import safe_open
 from torch import nn
 
 from services.common.model_files import resolve_model_dir
-from services.worker.config import ModelConfig
+from services.worker.config import QUANTIZATION_METHODS, ModelConfig
+from services.worker.cpu_capability import CpuCapability
 from services.worker.models import get_model
 
 _INDEX_FILE = "model.safetensors.index.json"
@@ -39,12 +40,23 @@ def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tenso
 
 
 def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "auto",
-               device: torch.device | str = "cpu") -> tuple[nn.Module, ModelConfig]:
+               device: torch.device | str = "cpu", quantization: str | None = None,
+               cpu: CpuCapability | None = None) -> tuple[nn.Module, ModelConfig]:
     """Builds the model for ``model`` (see ``resolve_model_dir``; None = SmolLM2)
-    on ``device`` with weights cast to ``dtype``, in eval mode without gradients."""
+    on ``device`` with weights cast to ``dtype`` (resolved for ``device`` and
+    ``cpu`` as ``parse_dtype`` says), in eval mode without gradients.
+
+    ``quantization="int8"``: the weights are loaded in float32, every linear
+    layer and the LM head quantized to weight-only int8, the rest cast to ``dtype``.
+    """
     model_dir = resolve_model_dir(model)
-    config = ModelConfig.from_pretrained(model_dir, dtype)
-    net = get_model(config, device=device)
+    config = ModelConfig.from_pretrained(model_dir, dtype, device, cpu)
+    if quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization {quantization!r} is not supported; allowed: "
+                         f"{', '.join(str(m) for m in QUANTIZATION_METHODS)}")
+    net = get_model(config, dtype=torch.float32 if quantization else None, device=device)
     net.load_weights(iter_safetensors_weights(model_dir))
+    if quantization == "int8":
+        net.quantize_int8_(config.dtype)
     net.requires_grad_(False).eval()
     return net, config

@@ -25,6 +25,7 @@ from services.common.model_runner_output import ModelRunnerOutput, RequestFailur
 from services.common.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from services.worker.attention.backend import get_attention_backend
 from services.worker.attention.metadata import AttentionMetadata
+from services.worker.compilation import compile_piece, cpp_compiler_available
 from services.worker.config import ModelConfig
 from services.worker.cudagraph import (
     CUDAGraphMode,
@@ -83,7 +84,10 @@ class ModelRunner:
     and not finished, including preempted ones that are out of the batch.
     ``cudagraph_mode`` is downgraded to what the attention backend supports;
     a mode other than NONE needs a CUDA device (WorkerConfig checks it) and
-    ``capture_model()`` before the first step.
+    ``capture_model()`` before the first step. ``compile_pieces`` compiles the
+    model's pieces between attention calls with torch.compile, on the CPU only
+    (``compiled_pieces`` says whether it happened); inductor builds them on
+    their first calls, which the worker makes in warm-up steps (``warmup.py``).
     """
 
     def __init__(
@@ -101,6 +105,7 @@ class ModelRunner:
         thinking: ThinkingConfig | None = None,
         cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE,
         cudagraph_capture_sizes: Sequence[int] = (),  # each in [1, max_num_batched_tokens]
+        compile_pieces: bool = False,
     ) -> None:
         self.model = model
         self.model_config = model_config
@@ -125,7 +130,27 @@ class ModelRunner:
         self.query_start_loc = _StagedBuffer(max_num_reqs + 1, torch.int32, self.device)
         self.seq_lens = _StagedBuffer(max_num_reqs, torch.int32, self.device)
         self.arange_np = np.arange(max(max_num_reqs, max_num_batched_tokens) + 1, dtype=np.int64)
+        self._init_logits_buffers(max_num_reqs, model_config)
         self._init_cudagraphs(cudagraph_mode, list(cudagraph_capture_sizes))
+        self.compiled_pieces = compile_pieces and self._init_compilation()
+
+    def _init_compilation(self) -> bool:
+        """Compiles the pieces between attention calls (CPU only: on CUDA, graphs do this
+        job); returns whether they are compiled. Without a C++ compiler they stay eager."""
+        if self.device.type != "cpu" or not hasattr(self.model, "compile_pieces"):
+            return False
+        if not cpp_compiler_available():
+            return False
+        self.model.compile_pieces(compile_piece)  # type: ignore[operator]
+        return True
+
+    def _init_logits_buffers(self, max_num_reqs: int, model_config: ModelConfig) -> None:
+        """The LM head's output (model dtype) and the sampler's float32 logits, allocated
+        once: a step never allocates a vocabulary-sized buffer of its own."""
+        shape = (max_num_reqs, model_config.vocab_size)
+        self.logits = torch.empty(shape, dtype=torch.float32, device=self.device)
+        self.head_logits = (self.logits if model_config.dtype == torch.float32
+                            else torch.empty(shape, dtype=model_config.dtype, device=self.device))
 
     def _init_cudagraphs(self, requested: CUDAGraphMode, capture_sizes: list[int]) -> None:
         """Resolves the mode, builds the dispatcher and wraps the model (nothing captured yet)."""
@@ -394,7 +419,7 @@ class ModelRunner:
             hidden_states = self._forward(
                 inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
             )
-        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        logits = self._compute_logits(hidden_states, inputs.logits_indices, num_reqs)
         sampling_metadata = self.input_batch.sampling_state.make_sampling_metadata(num_reqs)
         sampler_output = self.sampler(logits, sampling_metadata)
         prompt_logprobs = self._compute_prompt_logprobs(hidden_states, inputs)
@@ -422,6 +447,32 @@ class ModelRunner:
             self._prompt_logprobs_req_ids.discard(req_id)
         self.input_batch.reset()
         return ModelRunnerOutput(step_id=scheduler_output.step_id, failed=failed)
+
+    def _compute_logits(self, hidden_states: torch.Tensor, logits_indices: torch.Tensor,
+                        num_reqs: int) -> torch.Tensor:
+        """float32 logits [num_reqs, vocab] in ``self.logits``. Only rows whose sample is
+        kept (their prompt is done after this step) reach the LM head; the rows of
+        requests still mid-prompt are zero, and their samples are discarded."""
+        sampled = self.seq_lens.np[:num_reqs] >= self.input_batch.num_tokens[:num_reqs]
+        rows = np.flatnonzero(sampled)
+        logits = self.logits[:num_reqs]
+        if rows.size == num_reqs:
+            head = self.head_logits[:num_reqs]
+            self.model.compute_logits(hidden_states[logits_indices], out=head)
+            return logits if self.head_logits is self.logits else logits.copy_(head)
+        # Mixed step: the kept rows' logits go to the buffer's first rows, then each
+        # moves down to its batch row. rows[i] >= i, so moving from the last row on
+        # never overwrites a row still to be moved.
+        head = self.head_logits[: rows.size]
+        row_ids = torch.from_numpy(rows).to(self.device)
+        self.model.compute_logits(hidden_states[logits_indices[row_ids]], out=head)
+        if self.head_logits is not self.logits:
+            logits[: rows.size].copy_(head)
+        for i in reversed(range(rows.size)):
+            if rows[i] != i:
+                logits[rows[i]] = logits[i]
+        logits[torch.from_numpy(np.flatnonzero(~sampled)).to(self.device)] = 0.0
+        return logits
 
     def _record_samples(self, sampler_output: SamplerOutput) -> ModelRunnerOutput:
         """Appends each sample whose request is past its prompt; the rest are discarded.

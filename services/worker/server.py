@@ -302,7 +302,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerServiceConfig, argp
                         "(0: a free one; default: off)")
     p.add_argument("--connect-timeout-s", type=float, default=None, help="default: wait forever")
     p.add_argument("--model", default=d.model, help="HF directory or .gguf; default SmolLM2")
-    p.add_argument("--dtype", default=d.dtype)
+    p.add_argument("--dtype", default=d.dtype,
+                   help="auto (default: bfloat16 on a CPU with AVX512-BF16 or AMX, else float32; "
+                        "the checkpoint's dtype on cuda), float32, bfloat16, float16")
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+                   help="auto (the model's dtype), float32, bfloat16, float16")
+    p.add_argument("--quantization", default=d.quantization, choices=["int8"],
+                   help="int8: weight-only int8 linear layers and LM head (CPU)")
+    p.add_argument("--compile-pieces", action=argparse.BooleanOptionalAction,
+                   default=d.compile_pieces,
+                   help="torch.compile the model between attention calls (default: on for cpu)")
+    p.add_argument("--compile-cache-dir", default=d.compile_cache_dir,
+                   help="where compiled artefacts persist (default: <kvmesh cache>/inductor)")
     p.add_argument("--device", default=d.device)
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_gib)
@@ -329,6 +340,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerServiceConfig, argp
     worker = WorkerConfig(
         model=args.model,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
+        compile_pieces=args.compile_pieces,
+        compile_cache_dir=args.compile_cache_dir,
         device=args.device,
         block_size=args.block_size,
         kv_cache_gib=args.kv_cache_gib,

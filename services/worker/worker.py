@@ -2,7 +2,8 @@
 
 The gRPC service wraps this class; tests and benchmarks drive it in-process.
 Lifecycle: ``load_model()`` -> ``initialize_kv_cache()`` (returns the number of
-KV blocks, null block included, that the scheduler's pool must use) ->
+KV blocks, null block included, that the scheduler's pool must use; captures
+CUDA graphs, or compiles the CPU pieces through warm-up steps) ->
 ``execute_model(scheduler_output)`` once per step.
 """
 
@@ -18,10 +19,12 @@ from services.common.model_files import DEFAULT_MODEL_NAME, resolve_model_dir
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.registration import WorkerRegistration
 from services.common.scheduler_output import SchedulerOutput
-from services.worker.config import ModelConfig, WorkerConfig
+from services.worker.compilation import use_compile_cache
+from services.worker.config import ModelConfig, WorkerConfig, parse_kv_cache_dtype
 from services.worker.kv_cache import KVCacheSpec, allocate_kv_caches, determine_num_blocks
 from services.worker.model_loader import load_model
 from services.worker.model_runner import ModelRunner
+from services.worker.warmup import warm_up_model
 
 logger = logging.getLogger(__name__)
 # Steps in a row that may fail before the worker gives up and exits.
@@ -46,9 +49,13 @@ class Worker:
         """Loads the weights onto the device and fixes ``max_model_len``."""
         if self.config.num_threads is not None:
             torch.set_num_threads(self.config.num_threads)
+        if self.device.type == "cpu":
+            # Before anything compiles: the pieces and the CPU attention kernel.
+            use_compile_cache(self.config.compile_cache_dir)
         model_dir = resolve_model_dir(self.config.model)
         self.model_name = self.config.model or DEFAULT_MODEL_NAME
-        self.model, self.model_config = load_model(model_dir, self.config.dtype, self.device)
+        self.model, self.model_config = load_model(model_dir, self.config.dtype, self.device,
+                                                   self.config.quantization)
         self.max_model_len = resolve_max_model_len(self.model_config.max_model_len,
                                                    self.config.max_model_len)
 
@@ -61,7 +68,7 @@ class Worker:
             block_size=self.config.block_size,
             num_kv_heads=mc.num_kv_heads,
             head_size=mc.head_size,
-            dtype=mc.dtype,
+            dtype=parse_kv_cache_dtype(self.config.kv_cache_dtype, mc.dtype),
             num_layers=mc.num_layers,
         )
         num_blocks = self.config.num_kv_blocks or determine_num_blocks(
@@ -82,8 +89,11 @@ class Worker:
             thinking=self.config.thinking,
             cudagraph_mode=self.config.resolved_cudagraph_mode(),
             cudagraph_capture_sizes=self.config.resolved_capture_sizes(),
+            compile_pieces=self.config.resolved_compile_pieces(),
         )
         self.model_runner.capture_model()
+        if self.model_runner.compiled_pieces:
+            warm_up_model(self.model_runner, self.config.block_size, num_blocks)
         return num_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

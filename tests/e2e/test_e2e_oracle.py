@@ -29,7 +29,11 @@ QUESTIONS = (
 def client(make_cluster, tmp_path_factory):
     from kvmesh.cluster import ClusterConfig
 
+    # float32 pinned: the oracle below is transformers in float32, and greedy ids
+    # must then be identical (the CPU default, bfloat16, is checked against
+    # transformers' bfloat16 in tests/worker/test_cpu_dtypes.py).
     cluster = make_cluster(ClusterConfig(max_model_len=512, log_dir=tmp_path_factory.mktemp("logs"),
+                                         worker_args=["--dtype", "float32"],
                                          startup_timeout_s=300.0))
     with Client(cluster.address, timeout_s=120) as client:
         yield client

@@ -37,8 +37,12 @@ def save_tiny_model(path: Path, arch: str) -> Path:
 
 
 def make_worker(model_dir: Path, **overrides) -> Worker:
-    """A worker on the tiny checkpoint: float32, max_model_len 256 unless overridden."""
-    overrides = {"dtype": "float32", "max_model_len": 256, **overrides}
+    """A worker on the tiny checkpoint: float32, max_model_len 256, eager unless overridden.
+
+    Eager because compiling each of these small workers would cost more than the
+    tests themselves; tests/worker/test_compilation.py covers the compiled pieces.
+    """
+    overrides = {"dtype": "float32", "max_model_len": 256, "compile_pieces": False, **overrides}
     config = WorkerConfig(model=str(model_dir), **overrides)
     worker = Worker(config)
     worker.load_model()

@@ -9,7 +9,13 @@ import pytest
 import torch
 import transformers
 
-from services.worker.config import ModelConfig, parse_dtype
+from services.worker.config import ModelConfig, parse_dtype, parse_kv_cache_dtype
+from services.worker.cpu_capability import CpuCapability, detect_cpu_capability
+
+# Injected capabilities: the auto dtype rule is tested whatever this CPU has.
+BF16_CPU = CpuCapability("AVX512", avx512_bf16=True, amx=False)
+AMX_CPU = CpuCapability("AVX512", avx512_bf16=False, amx=True)
+PLAIN_CPU = CpuCapability("AVX2", avx512_bf16=False, amx=False)
 
 LLAMA31_CONFIG = {  # Llama 3.1 8B as written by transformers 4.x (legacy RoPE keys)
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -31,7 +37,7 @@ def write_model_dir(path: Path, config: dict, generation: dict | None = None) ->
 
 def test_legacy_llama31_config(tmp_path: Path) -> None:
     write_model_dir(tmp_path, LLAMA31_CONFIG, {"eos_token_id": [128009, 128006]})
-    config = ModelConfig.from_pretrained(tmp_path)
+    config = ModelConfig.from_pretrained(tmp_path, device="cuda")
     assert config == ModelConfig(
         architecture="LlamaForCausalLM", hidden_size=4096, intermediate_size=14336,
         num_layers=32, num_heads=32, num_kv_heads=8, head_size=128, vocab_size=128256,
@@ -90,7 +96,7 @@ def test_mistral_sliding_window_caps_max_model_len_and_explicit_head_dim() -> No
         "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
         "head_dim": 128, "vocab_size": 131072, "max_position_embeddings": 32768,
         "sliding_window": 4096, "eos_token_id": 2,
-    })
+    }, device="cuda")
     assert (config.head_size, config.sliding_window, config.max_model_len) == (128, 4096, 4096)
     assert (config.qkv_bias, config.o_proj_bias, config.dtype) == (False, False, torch.float32)
 
@@ -121,8 +127,51 @@ def test_heads_must_group_evenly() -> None:
     ("half", None, torch.float16),
     (torch.bfloat16, "float32", torch.bfloat16),
 ])
-def test_parse_dtype(arg, checkpoint, expected) -> None:
-    assert parse_dtype(arg, checkpoint) is expected
+def test_parse_dtype_on_cuda(arg, checkpoint, expected) -> None:
+    """On CUDA, auto is the checkpoint's dtype."""
+    assert parse_dtype(arg, checkpoint, "cuda") is expected
+
+
+@pytest.mark.parametrize(("arg", "checkpoint", "cpu", "expected"), [
+    ("auto", "float32", BF16_CPU, torch.bfloat16),
+    ("auto", None, AMX_CPU, torch.bfloat16),
+    ("auto", "bfloat16", PLAIN_CPU, torch.float32),
+    ("auto", "float16", PLAIN_CPU, torch.float32),
+    ("float32", None, BF16_CPU, torch.float32),  # an explicit dtype wins
+    ("bfloat16", None, PLAIN_CPU, torch.bfloat16),
+    ("float16", "bfloat16", BF16_CPU, torch.float16),
+])
+def test_parse_dtype_on_cpu(arg, checkpoint, cpu, expected) -> None:
+    """On the CPU, auto is bfloat16 where it is native (AVX512-BF16 or AMX), else float32."""
+    assert parse_dtype(arg, checkpoint, "cpu", cpu) is expected
+
+
+def test_auto_dtype_on_this_cpu() -> None:
+    """The default capability is what torch reports for this machine."""
+    native = detect_cpu_capability().native_bfloat16
+    assert parse_dtype("auto") is (torch.bfloat16 if native else torch.float32)
+    assert detect_cpu_capability().isa == torch.backends.cpu.get_cpu_capability()
+
+
+def test_model_config_auto_dtype_with_injected_cpu() -> None:
+    for cpu, expected in ((BF16_CPU, torch.bfloat16), (PLAIN_CPU, torch.float32)):
+        config = ModelConfig.from_hf_dict(LLAMA31_CONFIG, device="cpu", cpu=cpu)
+        assert config.dtype is expected
+
+
+@pytest.mark.parametrize(("arg", "model_dtype", "expected"), [
+    ("auto", torch.bfloat16, torch.bfloat16),
+    ("auto", torch.float32, torch.float32),
+    ("float32", torch.bfloat16, torch.float32),
+    ("bfloat16", torch.float32, torch.bfloat16),
+])
+def test_kv_cache_dtype_follows_the_model_unless_set(arg, model_dtype, expected) -> None:
+    assert parse_kv_cache_dtype(arg, model_dtype) is expected
+
+
+def test_kv_cache_dtype_rejects() -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8' is not supported; allowed: auto"):
+        parse_kv_cache_dtype("fp8", torch.float32)
 
 
 @pytest.mark.parametrize("arg", ["int8", torch.float64])
@@ -133,7 +182,7 @@ def test_parse_dtype_rejects(arg) -> None:
 
 @pytest.mark.slow
 def test_smollm2_config(default_model_dir: Path) -> None:
-    config = ModelConfig.from_pretrained(default_model_dir)
+    config = ModelConfig.from_pretrained(default_model_dir, device="cuda")  # the checkpoint dtype
     assert config == ModelConfig(
         architecture="LlamaForCausalLM", hidden_size=576, intermediate_size=1536, num_layers=30,
         num_heads=9, num_kv_heads=3, head_size=64, vocab_size=49152,

@@ -10,9 +10,12 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from services.worker.cpu_capability import CpuCapability
 from services.worker.model_loader import load_model, safetensors_files
 from services.worker.models import LlamaForCausalLM, get_model_class
 
+BF16_CPU = CpuCapability("AVX512", avx512_bf16=True, amx=False)
+PLAIN_CPU = CpuCapability("AVX2", avx512_bf16=False, amx=False)
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 
@@ -57,9 +60,19 @@ def test_tied_head_shares_the_embedding(tmp_path: Path) -> None:
     assert torch.equal(model.lm_head.weight, hf["model.embed_tokens.weight"])
 
 
-def test_auto_dtype_follows_the_checkpoint(tmp_path: Path) -> None:
+def test_auto_dtype_on_the_cpu_follows_the_cpu(tmp_path: Path) -> None:
+    """auto on the CPU: bfloat16 where the CPU has it natively, float32 elsewhere,
+    whatever the checkpoint says (both branches, through an injected capability)."""
+    save_tiny_llama(tmp_path, dtype=torch.bfloat16)
+    for cpu, expected in ((BF16_CPU, torch.bfloat16), (PLAIN_CPU, torch.float32)):
+        model, config = load_model(tmp_path, "auto", "cpu", cpu=cpu)
+        assert config.dtype is expected
+        assert {p.dtype for p in model.parameters()} == {expected}
+
+
+def test_explicit_dtype_wins(tmp_path: Path) -> None:
     hf = save_tiny_llama(tmp_path, dtype=torch.bfloat16)
-    model, config = load_model(tmp_path, "auto", "cpu")
+    model, config = load_model(tmp_path, "bfloat16", "cpu", cpu=PLAIN_CPU)
     assert config.dtype is torch.bfloat16
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     model, config = load_model(tmp_path, "float16", "cpu")

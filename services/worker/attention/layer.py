@@ -6,7 +6,12 @@ import torch
 from torch import nn
 
 from kernels._dispatch import use_triton
-from kernels.paged_attention import PagedAttentionPlan, paged_attention, plan_paged_attention
+from kernels.paged_attention import paged_attention
+from kernels.paged_attention_cpu import (
+    CpuAttentionPlan,
+    paged_attention_cpu,
+    plan_paged_attention_cpu,
+)
 from kernels.reshape_and_cache import reshape_and_cache
 from services.worker.attention.metadata import AttentionMetadata
 
@@ -17,7 +22,9 @@ class Attention(nn.Module):
     ``forward`` first stores this step's key/value rows at
     ``attn_metadata.slot_mapping`` in ``kv_cache`` ([2, num_blocks, block_size,
     num_kv_heads, head_size]), then attends every query to its request's keys,
-    history and new alike, all read through ``attn_metadata.block_table``.
+    history and new alike, all read through ``attn_metadata.block_table``:
+    with the Triton kernels where they run (CUDA), else with the CPU path
+    (``paged_attention_cpu``), whose decode queries read the cache in place.
     """
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
@@ -42,23 +49,24 @@ class Attention(nn.Module):
         key_cache, value_cache = kv_cache.unbind(0)
         reshape_and_cache(key, value, key_cache, value_cache, attn_metadata.slot_mapping,
                           attn_metadata.num_actual_tokens)
-        plan = None if use_triton(query) else self._plan(attn_metadata, key_cache)
         if out is not None:
             out = out.view(num_tokens, self.num_heads, self.head_size)
-        output = paged_attention(
-            query, key_cache, value_cache,
-            attn_metadata.block_table, attn_metadata.query_start_loc, attn_metadata.seq_lens,
-            self.scale, attn_metadata.num_reqs, attn_metadata.num_actual_tokens,
-            attn_metadata.max_query_len, attn_metadata.max_seq_len, out=out, plan=plan,
-        )
+        args = (query, key_cache, value_cache, attn_metadata.block_table,
+                attn_metadata.query_start_loc, attn_metadata.seq_lens, self.scale,
+                attn_metadata.num_reqs, attn_metadata.num_actual_tokens,
+                attn_metadata.max_query_len, attn_metadata.max_seq_len, out)
+        if use_triton(query):
+            output = paged_attention(*args)
+        else:
+            output = paged_attention_cpu(*args, plan=self._plan(attn_metadata, key_cache))
         return output.view(num_tokens, self.num_heads * self.head_size)
 
-    def _plan(self, attn_metadata: AttentionMetadata, key_cache: torch.Tensor) -> PagedAttentionPlan:
-        """The step's reference-path plan: built by the first layer, then shared, since
+    def _plan(self, attn_metadata: AttentionMetadata, key_cache: torch.Tensor) -> CpuAttentionPlan:
+        """The step's CPU-path plan: built by the first layer, then shared, since
         every layer sees the same block table and lengths (30 layers, one index pass)."""
         plan = attn_metadata.paged_attention_plan
         if plan is None:
-            plan = plan_paged_attention(
+            plan = plan_paged_attention_cpu(
                 attn_metadata.block_table, attn_metadata.query_start_loc, attn_metadata.seq_lens,
                 attn_metadata.num_reqs, attn_metadata.num_actual_tokens, key_cache.shape[1],
                 self.num_kv_heads, self.head_size,

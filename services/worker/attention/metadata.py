@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.paged_attention import PagedAttentionPlan
+from kernels.paged_attention_cpu import CpuAttentionPlan
 
 
 @dataclass(slots=True)
@@ -32,7 +32,7 @@ class AttentionMetadata:
         slot_mapping: int64 [num_tokens], the slot each token's K/V is written to
             (``block_id * block_size + position % block_size``), -1 for padding.
         paged_attention_plan: the CPU attention path's index work for this step
-            (``plan_paged_attention``), built by the first layer and reused by the
+            (``plan_paged_attention_cpu``), built by the first layer and reused by the
             others; None until then, and always None on the Triton path.
     """
 
@@ -44,4 +44,4 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
-    paged_attention_plan: PagedAttentionPlan | None = None
+    paged_attention_plan: CpuAttentionPlan | None = None

@@ -9,6 +9,7 @@ by ``load_weights``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -21,6 +22,7 @@ from torch.nn.utils import skip_init
 from services.worker.attention import Attention, AttentionMetadata
 from services.worker.config import ModelConfig
 from services.worker.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_emb
+from services.worker.layers.quantization import Int8Linear, quantize_linears_int8
 
 # (fused parameter, checkpoint projection, shard id) in vLLM's naming.
 _STACKED_PARAMS = (
@@ -121,13 +123,26 @@ class LlamaModel(nn.Module):
                                           config.rope_theta, config.rope_scaling,
                                           config.dtype, device)
         # The forward pass between attention calls, in order. A runner may replace
-        # each piece with a PIECEWISE CUDA graph wrapper (``wrap_pieces``);
-        # attention always runs between them, outside any piecewise graph.
-        self.pieces: list[Callable[..., Any]] = [
-            self._first_piece,
-            *(functools.partial(self._middle_piece, i) for i in range(1, config.num_layers)),
-            self._last_piece,
+        # each piece with a PIECEWISE CUDA graph wrapper (``wrap_pieces``) or compile
+        # them (``compile_pieces``); attention always runs between them, outside.
+        self.pieces: list[Callable[..., Any]] = self._make_pieces(
+            _first_piece, _middle_piece, _last_piece)
+
+    def _make_pieces(self, first: Callable[..., Any], middle: Callable[..., Any],
+                     last: Callable[..., Any]) -> list[Callable[..., Any]]:
+        """Binds each piece function to the modules it runs. Every middle piece shares
+        one function (modules are arguments), so one compiled graph serves them all."""
+        layers = self.layers
+        return [
+            functools.partial(first, self.embed_tokens, self.rotary_emb, layers[0]),
+            *(functools.partial(middle, layers[i - 1], layers[i]) for i in range(1, len(layers))),
+            functools.partial(last, layers[-1], self.norm),
         ]
+
+    def compile_pieces(self, compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        """Replaces the pieces with ``compile_fn`` of each piece function (three in all)."""
+        self.pieces = self._make_pieces(compile_fn(_first_piece), compile_fn(_middle_piece),
+                                        compile_fn(_last_piece))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -140,28 +155,34 @@ class LlamaModel(nn.Module):
                 q, k, v, attn_output, residual = self.pieces[i + 1](attn_output, residual, cos, sin)
         return self.pieces[-1](attn_output, residual)
 
-    def _first_piece(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Embedding and layer 0 up to attention: (q, k, v, attention output buffer,
-        residual, cos, sin)."""
-        hidden_states = self.embed_tokens(input_ids)
-        # Every layer rotates by the same positions: gather cos/sin once per step.
-        cos, sin = self.rotary_emb(positions)
-        q, k, v, residual = self.layers[0].pre_attention(hidden_states, None, cos, sin)
-        return q, k, v, _attention_output(q), residual, cos, sin
 
-    def _middle_piece(self, i: int, attn_output: torch.Tensor, residual: torch.Tensor,
-                      cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Layer i - 1 after attention, layer i up to it: (q, k, v, attention output
-        buffer, residual)."""
-        hidden_states, residual = self.layers[i - 1].post_attention(attn_output, residual)
-        q, k, v, residual = self.layers[i].pre_attention(hidden_states, residual, cos, sin)
-        return q, k, v, _attention_output(q), residual
+def _first_piece(embed_tokens: nn.Embedding, rotary_emb: RotaryEmbedding, layer: LlamaDecoderLayer,
+                 input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Embedding and layer 0 up to attention: (q, k, v, attention output buffer,
+    residual, cos, sin)."""
+    hidden_states = embed_tokens(input_ids)
+    # Every layer rotates by the same positions: gather cos/sin once per step.
+    cos, sin = rotary_emb(positions)
+    q, k, v, residual = layer.pre_attention(hidden_states, None, cos, sin)
+    return q, k, v, _attention_output(q), residual, cos, sin
 
-    def _last_piece(self, attn_output: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """The last layer after attention and the final norm: hidden states [T, hidden]."""
-        hidden_states, residual = self.layers[-1].post_attention(attn_output, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+
+def _middle_piece(prev_layer: LlamaDecoderLayer, layer: LlamaDecoderLayer,
+                  attn_output: torch.Tensor, residual: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``prev_layer`` after attention, ``layer`` up to it: (q, k, v, attention output
+    buffer, residual)."""
+    hidden_states, residual = prev_layer.post_attention(attn_output, residual)
+    q, k, v, residual = layer.pre_attention(hidden_states, residual, cos, sin)
+    return q, k, v, _attention_output(q), residual
+
+
+def _last_piece(layer: LlamaDecoderLayer, norm: RMSNorm, attn_output: torch.Tensor,
+                residual: torch.Tensor) -> torch.Tensor:
+    """The last layer after attention and the final norm: hidden states [T, hidden]."""
+    hidden_states, residual = layer.post_attention(attn_output, residual)
+    hidden_states, _ = norm(hidden_states, residual)
+    return hidden_states
 
 
 def _attention_output(q: torch.Tensor) -> torch.Tensor:
@@ -203,9 +224,35 @@ class LlamaForCausalLM(nn.Module):
         """Replaces each piece of the forward pass between attention calls with ``wrap(piece)``."""
         self.model.pieces = [wrap(piece) for piece in self.model.pieces]
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[n, hidden_size] -> float32 [n, vocab_size]."""
-        return F.linear(hidden_states, self.lm_head.weight).float()
+    def compile_pieces(self, compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        """Compiles the forward pass between attention calls: ``compile_fn`` (e.g.
+        ``torch.compile``) is applied to each of the three piece functions once."""
+        self.model.compile_pieces(compile_fn)
+
+    def compute_logits(self, hidden_states: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """[n, hidden_size] -> logits [n, vocab_size]: float32, or written into ``out``
+        (any float dtype) when given, which spares a vocabulary-sized allocation per
+        step where the head's dtype matches (the int8 kernel has no ``out`` form)."""
+        if isinstance(self.lm_head, Int8Linear):
+            logits = self.lm_head(hidden_states)
+        elif out is not None and out.dtype == hidden_states.dtype:
+            return torch.mm(hidden_states, self.lm_head.weight.t(), out=out)
+        else:
+            logits = F.linear(hidden_states, self.lm_head.weight)
+        return logits.float() if out is None else out.copy_(logits)
+
+    def quantize_int8_(self, dtype: torch.dtype) -> None:
+        """Weight-only int8 for every linear layer and the LM head, the rest cast to ``dtype``.
+
+        Call after ``load_weights`` on a float32 model, so that quantization
+        starts from the checkpoint's own values. A tied head gets its own int8
+        copy of the embedding (the lookup keeps the ``dtype`` table).
+        """
+        quantize_linears_int8(self.model, dtype)
+        self.lm_head = Int8Linear.from_float(self.lm_head.weight, None, dtype)
+        self.to(dtype)
+        self.config = dataclasses.replace(self.config, dtype=dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies Hugging Face-named tensors into the parameters, casting to their dtype.

@@ -1,0 +1,74 @@
+"""torch.compile of the model's pieces on the CPU, with an on-disk cache of what it builds.
+
+The CPU counterpart of piecewise CUDA graphs: the three piece functions between
+attention calls (first, middle, last) are compiled once each by inductor, which
+fuses the elementwise work (RMSNorm with its residual add, rotary, SiLU-and-mul)
+into a few C++ loops around the matmuls. Shapes are dynamic, so one graph serves
+every batch size (torch specializes a batch of one token). Inductor writes its
+generated code and FX graphs under a cache directory; a restarted worker finds
+them there and skips both the build and the C++ compile.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.common.model_files import cache_root
+
+logger = logging.getLogger(__name__)
+# Inductor reads its cache location from this variable whenever it looks it up.
+_INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def default_compile_cache_dir() -> Path:
+    """``<kvmesh cache>/inductor`` (``KVMESH_CACHE_DIR`` moves the kvmesh cache)."""
+    return cache_root() / "inductor"
+
+
+def use_compile_cache(cache_dir: str | os.PathLike | None) -> Path:
+    """Points inductor's cache at ``cache_dir`` (None: the default), unless the user
+    already set ``TORCHINDUCTOR_CACHE_DIR``; returns the directory in use.
+
+    Process-wide by nature: inductor has one cache directory per process.
+    """
+    if _INDUCTOR_CACHE_ENV in os.environ and cache_dir is None:
+        return Path(os.environ[_INDUCTOR_CACHE_ENV])
+    path = Path(cache_dir) if cache_dir is not None else default_compile_cache_dir()
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ[_INDUCTOR_CACHE_ENV] = str(path)
+    return path
+
+
+@functools.cache
+def cpp_compiler_available() -> bool:
+    """Whether inductor finds a C++ compiler (it needs one to compile for the CPU)."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception as e:  # RuntimeError when none is found; anything else is as bad
+        logger.warning("event=no_cpp_compiler error=%r: the CPU worker runs eagerly", e)
+        return False
+    return True
+
+
+def compile_piece(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` compiled by inductor for dynamic shapes, with compiled variants of its own.
+
+    Dynamo keeps the compiled variants of a function, and its limit of 8 of them,
+    per code object. Compiling a private copy of ``fn``'s code gives each model its
+    own variants (batch of one, larger batches), instead of every model in the
+    process (another dtype, int8) failing the others' guards and recompiling.
+    Identical graphs still come from inductor's cache.
+    """
+    private = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                                 fn.__defaults__, fn.__closure__)
+    return torch.compile(private, dynamic=True)

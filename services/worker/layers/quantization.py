@@ -1,0 +1,93 @@
+"""Weight-only int8 linear layers (``quantization="int8"``) on torch's CPU int8 kernel.
+
+Each output channel (weight row) gets one scale, ``absmax(row) / 127``, and
+its weights are rounded to int8 in [-127, 127]. Activations stay in the
+model's dtype: ``torch._weight_int8pack_mm`` dequantizes inside the GEMM, so
+a decode step reads half the bytes of bfloat16 weights. Large batches
+(prefill) are compute-bound, where torch's blocked bfloat16/float32 GEMM is
+faster than the int8 kernel: those dequantize the weight once per call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+INT8_MAX = 127
+# Rows of activations from which dequantize-then-GEMM beats the int8 kernel
+# (measured on AVX-512: the int8 kernel is a GEMV-style loop).
+DEQUANTIZE_MIN_ROWS = 32
+# torch's int8 kernel is vectorized over K in blocks; with bfloat16 inputs and K
+# not a multiple of its block it returns garbage (torch 2.13), so such layers
+# always take the dequantize path.
+INT8_KERNEL_K_MULTIPLE = 32
+
+
+def quantize_per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel quantization of ``weight`` [out, in].
+
+    Returns (int8 [out, in], float32 scales [out]) with
+    ``weight ~= int8 * scales[:, None]``; an all-zero row gets scale 1.
+    """
+    weight = weight.float()
+    absmax = weight.abs().amax(dim=1)
+    scales = torch.where(absmax > 0, absmax / INT8_MAX, torch.ones_like(absmax))
+    qweight = torch.round(weight / scales[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return qweight, scales
+
+
+class Int8Linear(nn.Module):
+    """``y = x @ (qweight * scales[:, None]).T + bias`` with an int8 ``qweight``.
+
+    ``x`` is [..., in_features] in ``scales``' dtype; so is the output.
+    Built from a float layer's weight by ``from_float``; holds buffers, no
+    parameters (nothing here is trained).
+    """
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+        super().__init__()
+        if qweight.dtype != torch.int8 or qweight.dim() != 2 or scales.shape != qweight.shape[:1]:
+            raise ValueError(f"qweight must be int8 [out, in] and scales [out], got "
+                             f"{qweight.dtype} {tuple(qweight.shape)} and {tuple(scales.shape)}")
+        self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
+        self.use_int8_kernel = self.in_features % INT8_KERNEL_K_MULTIPLE == 0
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None,
+                   dtype: torch.dtype) -> Int8Linear:
+        """Quantizes ``weight`` [out, in]; scales and bias are kept in ``dtype``."""
+        qweight, scales = quantize_per_channel_int8(weight)
+        return cls(qweight, scales.to(dtype), None if bias is None else bias.to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] >= DEQUANTIZE_MIN_ROWS or not self.use_int8_kernel:
+            out = F.linear(rows, self.qweight.to(rows.dtype) * self.scales[:, None], self.bias)
+        else:
+            out = torch._weight_int8pack_mm(rows.contiguous(), self.qweight, self.scales)
+            if self.bias is not None:
+                out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weight-only"
+
+
+def quantize_linears_int8(module: nn.Module, dtype: torch.dtype) -> int:
+    """Replaces every ``nn.Linear`` inside ``module`` with an ``Int8Linear``.
+
+    Returns how many layers were replaced; scales and biases are in ``dtype``.
+    """
+    count = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(module, name, Int8Linear.from_float(child.weight, child.bias, dtype))
+            count += 1
+        else:
+            count += quantize_linears_int8(child, dtype)
+    return count

@@ -1,0 +1,78 @@
+"""The CPU worker's compiled pieces: same results as eager, warm-up before serving,
+the on-disk cache, and the switches that turn compilation off."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from services.worker import compilation
+from services.worker.compilation import compile_piece, use_compile_cache
+from services.worker.config import WorkerConfig
+from services.worker.model_loader import load_model
+from tests.worker.helpers import greedy_request, make_scheduler, make_worker, random_prompts, run_engine
+from tests.worker.test_models import final_token_ids, run_paged_schedule, save_tiny_hf_model
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny_hf_model(path, transformers.LlamaConfig, tie_word_embeddings=True)
+    return path
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_pieces_match_eager(tiny_llama: Path, dtype: str) -> None:
+    """A ragged schedule (mixed prefill/decode, padding rows) through both forms."""
+    eager, config = load_model(tiny_llama, dtype, "cpu")
+    compiled, _ = load_model(tiny_llama, dtype, "cpu")
+    compiled.compile_pieces(compile_piece)
+    assert len({piece.func for piece in compiled.model.pieces}) == 3  # one graph per kind
+    token_ids = final_token_ids(config.vocab_size)
+    expected = run_paged_schedule(eager, config, token_ids)
+    actual = run_paged_schedule(compiled, config, token_ids)
+    atol = 1e-4 if dtype == "float32" else 0.05  # inductor fuses, so bfloat16 rounds elsewhere
+    for ours, theirs in zip(actual, expected):
+        torch.testing.assert_close(ours, theirs, atol=atol, rtol=0)
+
+
+def test_compiled_worker_warms_up_then_matches_eager(tiny_llama: Path) -> None:
+    compiled = make_worker(tiny_llama, compile_pieces=True, max_model_len=128)
+    eager = make_worker(tiny_llama, max_model_len=128)
+    assert compiled.model_runner.compiled_pieces and not eager.model_runner.compiled_pieces
+    runner = compiled.model_runner
+    # Warm-up left nothing behind, and never wrote the null block.
+    assert not runner.requests and runner.input_batch.num_reqs == 0
+    assert all(torch.count_nonzero(kv[:, 0]) == 0 for kv in runner.kv_caches)
+    prompts = random_prompts([9, 17, 4], seed=3)
+    arrivals = [(i, greedy_request(f"r{i}", p, 6)) for i, p in enumerate(prompts)]
+    results = [run_engine(make_scheduler(w), w, arrivals).token_ids for w in (compiled, eager)]
+    assert results[0] == results[1]
+
+
+def test_compile_switch_defaults_by_device() -> None:
+    assert WorkerConfig().resolved_compile_pieces() is True
+    assert WorkerConfig(device="cuda").resolved_compile_pieces() is False
+    assert WorkerConfig(compile_pieces=False).resolved_compile_pieces() is False
+
+
+def test_without_a_cpp_compiler_the_worker_runs_eagerly(tiny_llama: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("services.worker.model_runner.cpp_compiler_available", lambda: False)
+    worker = make_worker(tiny_llama, compile_pieces=True, max_model_len=128)
+    assert not worker.model_runner.compiled_pieces
+
+
+def test_compile_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path / "kvmesh"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert use_compile_cache(None) == tmp_path / "kvmesh" / "inductor"
+    assert compilation.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "kvmesh" / "inductor")
+    # A directory the user chose for inductor is kept, unless the config names one.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert use_compile_cache(None) == tmp_path / "mine"
+    assert use_compile_cache(tmp_path / "cfg") == tmp_path / "cfg"
+    assert (tmp_path / "cfg").is_dir()
