@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--redis-url", default=None, help="default: an embedded valkey-server")
     up.add_argument("--max-model-len", type=int, default=None)
     up.add_argument("--device", default=None, help="workers' device: cpu (default) or cuda")
+    up.add_argument("--simulate", action="store_true",
+                    help="simulated workers: no model, a modelled step time, deterministic "
+                         "tokens (to measure the control plane)")
     up.add_argument("--log-dir", type=Path, default=None,
                     help="write each service's log to DIR/<name>.log (default: a new temporary "
                          "directory, or this terminal with -v / --log-level)")
@@ -120,7 +123,8 @@ def _up_config(args: argparse.Namespace) -> ClusterConfig:
         frontend_port=args.port, frontend_http_port=None if args.no_http else args.http_port,
         redis_url=args.redis_url, max_model_len=args.max_model_len, log_dir=log_dir,
         log_level=args.log_level, frontend_args=frontend_args,
-        worker_args=["--device", args.device] if args.device else [],
+        worker_args=(["--device", args.device] if args.device else [])
+        + (["--simulate"] if args.simulate else []),
     )
 
 

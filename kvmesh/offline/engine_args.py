@@ -14,7 +14,7 @@ import torch
 from services.common.limits import SchedulingLimits
 from services.common.validation import DEFAULT_MAX_LOGPROBS
 from services.scheduler.config import SchedulingOptions
-from services.worker.config import WorkerConfig
+from services.worker.config import LatencyModel, WorkerConfig
 
 _DEFAULT_LIMITS = SchedulingLimits()
 
@@ -50,6 +50,8 @@ class EngineArgs:
     stream_interval: int = 1
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     cudagraph_mode: str | None = None
+    # True, or the LatencyModel to wait: the simulated worker (no model).
+    simulate: bool | LatencyModel = False
 
     def scheduling_limits(self) -> SchedulingLimits:
         return SchedulingLimits(max_num_seqs=self.max_num_seqs,
@@ -64,7 +66,8 @@ class EngineArgs:
         )
 
     def worker_config(self) -> WorkerConfig:
-        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        use_cuda = torch.cuda.is_available() and not self.simulate
+        device = self.device or ("cuda" if use_cuda else "cpu")
         return WorkerConfig(
             model=self.model, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
             quantization=self.quantization, compile_pieces=self.compile_pieces,
@@ -73,4 +76,5 @@ class EngineArgs:
             num_kv_blocks=self.num_kv_blocks, limits=self.scheduling_limits(),
             max_model_len=self.max_model_len, logits_processors=list(self.logits_processors),
             cudagraph_mode=self.cudagraph_mode,
+            simulate=LatencyModel() if self.simulate is True else self.simulate or None,
         )

@@ -210,6 +210,38 @@ def _eos_token_ids(hf: dict[str, Any], generation: dict[str, Any]) -> list[int]:
     return ids
 
 
+@dataclass(frozen=True, slots=True)
+class LatencyModel:
+    """How long one step of the simulated worker (``--simulate``) takes.
+
+    ``base_ms`` plus ``us_per_token`` per scheduled token plus
+    ``us_per_context_token`` per token attention reads. The defaults are the
+    H100 SXM roofline for SmolLM2-135M in bfloat16:
+    - weights: 134.5 M parameters x 2 bytes = 269 MB, read once per step at
+      3.35 TB/s (HBM3) = 0.080 ms, the decode floor;
+    - per scheduled token: 2 x 134.5 M = 269 MFLOP at 989 TFLOP/s (dense
+      bfloat16) = 0.27 us;
+    - per context token: its K and V, 30 layers x 2 x 3 KV heads x 64 dims x
+      2 bytes = 23,040 bytes at 3.35 TB/s = 0.0069 us.
+    Real kernels reach perhaps half of these; benchmarks set ``base_ms``
+    (1, 2 or 5 ms steps).
+    """
+
+    base_ms: float = 0.080
+    us_per_token: float = 0.27
+    us_per_context_token: float = 0.0069
+
+    def __post_init__(self) -> None:
+        for name in ("base_ms", "us_per_token", "us_per_context_token"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 60_000.0:
+                raise ValueError(f"{name} is {value}, allowed range is [0, 60000]")
+
+    def step_seconds(self, num_scheduled_tokens: int, num_context_tokens: int) -> float:
+        return (self.base_ms * 1e-3 + self.us_per_token * 1e-6 * num_scheduled_tokens
+                + self.us_per_context_token * 1e-6 * num_context_tokens)
+
+
 @dataclass(slots=True, kw_only=True)
 class WorkerConfig:
     """How a worker loads its model and sizes its batch and KV cache.
@@ -234,6 +266,8 @@ class WorkerConfig:
     graphs; None is on for the CPU and off for CUDA. Compiled artefacts are
     cached in ``compile_cache_dir`` (None: ``<kvmesh cache>/inductor``) so a
     restart does not compile again.
+    ``simulate``: no model weights and no KV memory; each step waits as
+    ``LatencyModel`` says and samples deterministic tokens (``simulated.py``).
     ``cudagraph_mode``: NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or
     FULL_AND_PIECEWISE; None is FULL_AND_PIECEWISE on CUDA and NONE on the CPU
     (where any other mode is an error). Graphs are captured for
@@ -261,8 +295,12 @@ class WorkerConfig:
     cudagraph_mode: str | None = None
     cudagraph_capture_sizes: list[int] | None = None
     max_cudagraph_capture_size: int | None = None
+    simulate: LatencyModel | None = None
 
     def __post_init__(self) -> None:
+        if self.simulate is not None and torch.device(self.device).type != "cpu":
+            raise ValueError(f"simulate runs on the CPU (its model is a modelled wait), "
+                             f"not on {self.device!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size is {self.block_size}, must be >= 1")
         if self.num_threads is not None and self.num_threads < 1:

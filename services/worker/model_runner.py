@@ -49,7 +49,9 @@ _NONFINITE_FAILURE = RequestFailure.of(
 
 
 @dataclass(slots=True)
-class _StepInputs:
+class StepInputs:
+    """One step's device inputs, built by ``_prepare_inputs``."""
+
     input_ids: torch.Tensor  # int64 [padded num_tokens] on the device
     positions: torch.Tensor  # int64 [padded num_tokens] on the device
     attn_metadata: AttentionMetadata
@@ -265,7 +267,7 @@ class ModelRunner:
         return reqs_to_add
 
     # ------------------------------------------------------------------ inputs
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> _StepInputs:
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         """Flattened input ids, positions and attention metadata for the batch.
 
         Built with numpy in the CPU staging buffers, padded to the CUDA graph
@@ -309,7 +311,7 @@ class ModelRunner:
             num_reqs, num_tokens, max_query_len, int(seq_lens_np.max()), runtime_mode, key
         )
         logits_indices = attn_metadata.query_start_loc[1 : num_reqs + 1].to(torch.int64) - 1
-        return _StepInputs(input_ids, positions, attn_metadata, logits_indices, num_scheduled,
+        return StepInputs(input_ids, positions, attn_metadata, logits_indices, num_scheduled,
                            runtime_mode, key)
 
     def _pad_and_copy_inputs(
@@ -415,14 +417,7 @@ class ModelRunner:
         if num_reqs == 0 or scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(step_id=scheduler_output.step_id, failed=self._failed)
         inputs = self._prepare_inputs(scheduler_output)
-        with self.forward_context.set(inputs.cudagraph_runtime_mode, inputs.batch_descriptor):
-            hidden_states = self._forward(
-                inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
-            )
-        logits = self._compute_logits(hidden_states, inputs.logits_indices, num_reqs)
-        sampling_metadata = self.input_batch.sampling_state.make_sampling_metadata(num_reqs)
-        sampler_output = self.sampler(logits, sampling_metadata)
-        prompt_logprobs = self._compute_prompt_logprobs(hidden_states, inputs)
+        sampler_output, prompt_logprobs = self._run_model(inputs, num_reqs)
         output = self._record_samples(sampler_output)
         for req_id in self._failed:
             prompt_logprobs.pop(req_id, None)
@@ -430,6 +425,19 @@ class ModelRunner:
         output.step_id = scheduler_output.step_id
         output.failed = self._failed
         return output
+
+    def _run_model(
+        self, inputs: StepInputs, num_reqs: int
+    ) -> tuple[SamplerOutput, dict[str, Logprobs]]:
+        """The forward pass, the logits and the sampler; also the prompt logprobs."""
+        with self.forward_context.set(inputs.cudagraph_runtime_mode, inputs.batch_descriptor):
+            hidden_states = self._forward(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
+            )
+        logits = self._compute_logits(hidden_states, inputs.logits_indices, num_reqs)
+        sampling_metadata = self.input_batch.sampling_state.make_sampling_metadata(num_reqs)
+        sampler_output = self.sampler(logits, sampling_metadata)
+        return sampler_output, self._compute_prompt_logprobs(hidden_states, inputs)
 
     def fail_step(self, scheduler_output: SchedulerOutput, error: BaseException) -> ModelRunnerOutput:
         """Drops every request of a step that raised, and empties the batch.
@@ -513,7 +521,7 @@ class ModelRunner:
         return out
 
     def _compute_prompt_logprobs(
-        self, hidden_states: torch.Tensor, inputs: _StepInputs
+        self, hidden_states: torch.Tensor, inputs: StepInputs
     ) -> dict[str, Logprobs]:
         """Logprobs of the prompt tokens this step's chunk predicts.
 

@@ -45,7 +45,12 @@ from services.common.security import (
     tls_from_args,
 )
 from services.common.scheduler_output import SchedulerOutput
-from services.worker.config import WorkerConfig, WorkerServiceConfig, default_worker_id
+from services.worker.config import (
+    LatencyModel,
+    WorkerConfig,
+    WorkerServiceConfig,
+    default_worker_id,
+)
 from services.worker.dirty_blocks import DirtyBlockLog
 from services.worker.metrics import WorkerMetrics
 from services.worker.sample import ThinkingConfig
@@ -330,9 +335,23 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerServiceConfig, argp
                         "default FULL_AND_PIECEWISE on cuda, NONE on cpu")
     p.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=d.cudagraph_capture_sizes)
     p.add_argument("--max-cudagraph-capture-size", type=int, default=d.max_cudagraph_capture_size)
+    latency = LatencyModel()
+    p.add_argument("--simulate", action="store_true",
+                   help="no model: each step waits as the latency model says and samples "
+                        "deterministic tokens (a control-plane measurement tool)")
+    p.add_argument("--simulate-base-ms", type=float, default=latency.base_ms,
+                   help="simulated step time before per-token costs (default: the H100 "
+                        "roofline for SmolLM2)")
+    p.add_argument("--simulate-us-per-token", type=float, default=latency.us_per_token)
+    p.add_argument("--simulate-us-per-context-token", type=float,
+                   default=latency.us_per_context_token)
     p.add_argument("--log-level", default="INFO")
     add_security_args(p)
     args = p.parse_args(argv)
+    simulate = None
+    if args.simulate:
+        simulate = LatencyModel(args.simulate_base_ms, args.simulate_us_per_token,
+                                args.simulate_us_per_context_token)
     thinking = None
     if args.think_start_token_ids or args.think_end_token_ids:
         thinking = ThinkingConfig(tuple(args.think_start_token_ids or ()),
@@ -357,6 +376,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerServiceConfig, argp
         cudagraph_mode=args.cudagraph_mode,
         cudagraph_capture_sizes=args.cudagraph_capture_sizes,
         max_cudagraph_capture_size=args.max_cudagraph_capture_size,
+        simulate=simulate,
     )
     config = WorkerServiceConfig(
         scheduler_address=args.scheduler_address,

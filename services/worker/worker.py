@@ -10,6 +10,7 @@ CUDA graphs, or compiles the CPU pieces through warm-up steps) ->
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,11 +25,15 @@ from services.worker.config import ModelConfig, WorkerConfig, parse_kv_cache_dty
 from services.worker.kv_cache import KVCacheSpec, allocate_kv_caches, determine_num_blocks
 from services.worker.model_loader import load_model
 from services.worker.model_runner import ModelRunner
+from services.worker.simulated import SimulatedModelRunner
 from services.worker.warmup import warm_up_model
 
 logger = logging.getLogger(__name__)
 # Steps in a row that may fail before the worker gives up and exits.
 MAX_CONSECUTIVE_FAILED_STEPS = 3
+# The simulated worker's pool unless --num-kv-blocks says otherwise: 262,144
+# tokens, enough for 1,024 requests of 256 tokens.
+SIMULATED_NUM_KV_BLOCKS = 16_384
 
 
 class Worker:
@@ -54,15 +59,25 @@ class Worker:
             use_compile_cache(self.config.compile_cache_dir)
         model_dir = resolve_model_dir(self.config.model)
         self.model_name = self.config.model or DEFAULT_MODEL_NAME
-        self.model, self.model_config = load_model(model_dir, self.config.dtype, self.device,
-                                                   self.config.quantization)
+        if self.config.simulate is not None:  # the config alone: no weights
+            self.model_config = ModelConfig.from_pretrained(model_dir, self.config.dtype,
+                                                            self.device)
+        else:
+            self.model, self.model_config = load_model(model_dir, self.config.dtype, self.device,
+                                                       self.config.quantization)
         self.max_model_len = resolve_max_model_len(self.model_config.max_model_len,
                                                    self.config.max_model_len)
 
     def initialize_kv_cache(self) -> int:
         """Allocates the KV cache and the model runner; returns the number of blocks."""
-        if self.model is None or self.model_config is None:
+        if self.model_config is None:
             raise RuntimeError("initialize_kv_cache() needs load_model() first")
+        if self.config.simulate is not None:
+            self.num_blocks = self.config.num_kv_blocks or SIMULATED_NUM_KV_BLOCKS
+            self.model_runner = SimulatedModelRunner(self.config.simulate, self.model_config,
+                                                     **self._runner_options())
+            return self.num_blocks
+        assert self.model is not None
         mc = self.model_config
         spec = KVCacheSpec(
             block_size=self.config.block_size,
@@ -80,13 +95,7 @@ class Worker:
             self.model,
             mc,
             kv_caches,
-            block_size=self.config.block_size,
-            max_num_reqs=self.config.limits.max_num_seqs,
-            max_num_batched_tokens=self.config.limits.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            device=self.device,
-            logitsprocs=self.config.logits_processors,
-            thinking=self.config.thinking,
+            **self._runner_options(),
             cudagraph_mode=self.config.resolved_cudagraph_mode(),
             cudagraph_capture_sizes=self.config.resolved_capture_sizes(),
             compile_pieces=self.config.resolved_compile_pieces(),
@@ -95,6 +104,18 @@ class Worker:
         if self.model_runner.compiled_pieces:
             warm_up_model(self.model_runner, self.config.block_size, num_blocks)
         return num_blocks
+
+    def _runner_options(self) -> dict[str, Any]:
+        """The model runner's batch sizing and sampling options, from the config."""
+        return dict(
+            block_size=self.config.block_size,
+            max_num_reqs=self.config.limits.max_num_seqs,
+            max_num_batched_tokens=self.config.limits.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            device=self.device,
+            logitsprocs=self.config.logits_processors,
+            thinking=self.config.thinking,
+        )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Runs one step. A step that raises fails its own requests and the worker goes on.
