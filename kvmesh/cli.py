@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--simulate", action="store_true",
                     help="simulated workers: no model, a modelled step time, deterministic "
                          "tokens (to measure the control plane)")
+    up.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                    help="schedule each worker's next step while it computes (default: on)")
     up.add_argument("--log-dir", type=Path, default=None,
                     help="write each service's log to DIR/<name>.log (default: a new temporary "
                          "directory, or this terminal with -v / --log-level)")
@@ -125,6 +127,7 @@ def _up_config(args: argparse.Namespace) -> ClusterConfig:
         log_level=args.log_level, frontend_args=frontend_args,
         worker_args=(["--device", args.device] if args.device else [])
         + (["--simulate"] if args.simulate else []),
+        scheduler_args=[] if args.async_scheduling else ["--no-async-scheduling"],
     )
 
 

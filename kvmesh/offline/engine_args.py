@@ -45,6 +45,7 @@ class EngineArgs:
     max_num_batched_tokens: int = _DEFAULT_LIMITS.max_num_batched_tokens
     long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = True
+    async_scheduling: bool = True
     scheduling_policy: str = "fcfs"
     logits_processors: list[str] = field(default_factory=list)
     stream_interval: int = 1
@@ -63,6 +64,7 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             policy=self.scheduling_policy,
             enable_prefix_caching=self.enable_prefix_caching,
+            async_scheduling=self.async_scheduling,
         )
 
     def worker_config(self) -> WorkerConfig:

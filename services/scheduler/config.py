@@ -18,7 +18,9 @@ class SchedulingOptions:
     """How a scheduler service, or the offline engine, schedules each of its workers.
 
     ``limits`` are capped per worker by what the worker reports
-    (``make_scheduler_config``).
+    (``make_scheduler_config``). ``async_scheduling`` schedules a worker's next
+    step before the output of its current one arrives (``max_steps_in_flight``
+    2 instead of 1), hiding the control plane behind the worker's compute.
     Every field is validated on construction; a bad value raises ``ValueError``
     naming the field and the allowed range.
     """
@@ -28,6 +30,7 @@ class SchedulingOptions:
     policy: SchedulingPolicy | str = SchedulingPolicy.FCFS
     enable_prefix_caching: bool = True
     max_num_waiting: int = 0  # bound on each worker's waiting queue; 0 = unbounded
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         _check_at_least("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
@@ -49,6 +52,10 @@ class SchedulingOptions:
         parser.add_argument("--max-num-waiting", type=int, default=defaults.max_num_waiting,
                             help="0: unbounded")
         parser.add_argument("--no-prefix-caching", action="store_true")
+        parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                            default=defaults.async_scheduling,
+                            help="schedule a worker's next step while it computes the "
+                                 "current one (default: on)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> SchedulingOptions:
@@ -58,7 +65,13 @@ class SchedulingOptions:
             policy=args.policy,
             enable_prefix_caching=not args.no_prefix_caching,
             max_num_waiting=args.max_num_waiting,
+            async_scheduling=args.async_scheduling,
         )
+
+    @property
+    def max_steps_in_flight(self) -> int:
+        """Steps sent to a worker whose output has not arrived, at most."""
+        return 2 if self.async_scheduling else 1
 
 
 @dataclass(slots=True, kw_only=True)

@@ -295,7 +295,8 @@ class Coordinator:
         session = WorkerSession(worker_id, engine_index, scheduler, store, self.route_outputs,
                                 self.metrics.for_worker(model, worker_id),
                                 registration.vocab_size, self.config.worker_step_timeout_s,
-                                self.config.fault_exit_after_step)
+                                self.config.fault_exit_after_step,
+                                self.config.scheduling.max_steps_in_flight)
         self.sessions[worker_id] = session
         session.start(on_failure=self._on_session_failure)
         logger.info("event=worker_registered worker=%s engine_index=%d num_blocks=%d "

@@ -33,6 +33,12 @@ class KVCacheManager:
     holds for the same ``num_blocks`` and ``block_size`` (otherwise clears it),
     leaving out ``dirty_block_ids`` (blocks whose KV may have changed since the
     store saw them), and ``commit()`` pushes each step's changes as one delta.
+
+    A block cached while a step is scheduled holds KV only once the worker has
+    computed that step. With steps in flight (asynchronous scheduling) the
+    store leaves such blocks out until their step is committed
+    (``end_schedule`` tags them with it), so a recovered index never names a
+    block whose KV was never written.
     """
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
@@ -53,6 +59,10 @@ class KVCacheManager:
         self._stats = PrefixCacheStats()
         self.store = store
         self._dirty_req_ids: set[str] = set()
+        # Blocks cached by the step being scheduled, then by each step in flight.
+        self._newly_cached: list[int] = []
+        self._unwritten: dict[int, list[int]] = {}
+        self._stored_unwritten: set[int] = set()  # those the last delta left out
         if store is not None:
             self._recover(store, set(dirty_block_ids))
 
@@ -145,6 +155,9 @@ class KVCacheManager:
                 self.block_pool.cache_full_blocks(request, req_blocks, num_cached,
                                                   num_full_blocks, self.block_size)
                 self.num_cached_block[req_id] = num_full_blocks
+                if self.store is not None:
+                    self._newly_cached.extend(
+                        b.block_id for b in req_blocks[num_cached:num_full_blocks])
         return new_blocks
 
     def free(self, request: Request, uncache: bool = False) -> None:
@@ -191,13 +204,19 @@ class KVCacheManager:
         stats, self._stats = self._stats, PrefixCacheStats()
         return stats
 
+    def end_schedule(self, step_id: int) -> None:
+        """Tags the blocks cached while scheduling step ``step_id`` with it."""
+        if self._newly_cached:
+            self._unwritten[step_id] = self._newly_cached
+            self._newly_cached = []
+
     def commit(self, step_id: int = 0) -> None:
         """Pushes everything changed since the last commit to the store as one
         delta tagged ``step_id``; the whole state instead when the store asks for
         it. No-op when nothing changed or there is no store.
 
-        Call it only once the worker has computed the steps scheduled so far:
-        the store must never index a block whose KV is not written yet.
+        Call it once the worker has computed every step up to ``step_id``:
+        blocks cached by later steps (in flight) stay out of the store.
         """
         self._commit(clear=False, step_id=step_id)
 
@@ -206,10 +225,22 @@ class KVCacheManager:
         req_ids, self._dirty_req_ids = self._dirty_req_ids, set()
         if self.store is None:
             return
+        for written_step_id in [s for s in self._unwritten if s <= step_id]:
+            del self._unwritten[written_step_id]
+        unwritten = self._unwritten_block_ids()
+        for block_id in self._stored_unwritten - unwritten:
+            # Written now. The last delta left them out, so the store holds
+            # nothing for them, whatever the pool's own record says.
+            changes[block_id] = None
+        self._stored_unwritten = unwritten
         if not clear and self.store.wants_full_state():
             self.store.apply(self._make_full_delta(step_id))
         elif clear or changes or req_ids:
             self.store.apply(self._make_delta(changes, req_ids, clear, step_id))
+
+    def _unwritten_block_ids(self) -> set[int]:
+        """Cached blocks whose KV a step in flight still writes."""
+        return {block_id for block_ids in self._unwritten.values() for block_id in block_ids}
 
     def _make_full_delta(self, step_id: int) -> KVStateDelta:
         """A clear delta carrying every cached block and every request's blocks."""
@@ -219,21 +250,26 @@ class KVCacheManager:
 
     def _make_delta(self, changes: dict[int, BlockHash | None], req_ids: set[str],
                     clear: bool, step_id: int) -> KVStateDelta:
+        """Each changed block's new value as the store sees it: a block whose
+        KV is still unwritten counts as not cached."""
         pool = self.block_pool
         delta = KVStateDelta(self.num_blocks, self.block_size, pool.get_num_free_blocks(), clear,
                              step_id)
+        unwritten = self._unwritten_block_ids()
         changed_hashes: set[BlockHash] = set()
         for block_id, old_hash in changes.items():
             block = pool.blocks[block_id]
-            if block.block_hash != old_hash:
-                changed_hashes.update(h for h in (old_hash, block.block_hash) if h is not None)
+            new_hash = None if block_id in unwritten else block.block_hash
+            if new_hash != old_hash:
+                changed_hashes.update(h for h in (old_hash, new_hash) if h is not None)
                 delta.block_token_ids[block_id] = (list(block.token_ids)
-                                                   if block.token_ids is not None else None)
-            is_cached_free = block.block_hash is not None and block.ref_cnt == 0
+                                                   if new_hash is not None else None)
+            is_cached_free = new_hash is not None and block.ref_cnt == 0
             delta.free_seq[block_id] = pool.get_free_seq(block_id) if is_cached_free else None
         for block_hash in changed_hashes:
-            same_hash = pool.cached_block_hash_to_block.get(block_hash)
-            delta.prefix_index[block_hash.hex()] = sorted(same_hash) if same_hash else None
+            same_hash = pool.cached_block_hash_to_block.get(block_hash, {})
+            written = sorted(b for b in same_hash if b not in unwritten)
+            delta.prefix_index[block_hash.hex()] = written or None
         for req_id in req_ids:
             blocks = self.req_to_blocks.get(req_id)
             delta.req_blocks[req_id] = None if blocks is None else [b.block_id for b in blocks]
@@ -242,13 +278,16 @@ class KVCacheManager:
     def snapshot(self) -> KVStateSnapshot:
         """The in-memory state in the store's shape (to check the mirror)."""
         pool = self.block_pool
-        index = pool.cached_block_hash_to_block
-        cached_blocks = [b for same in index.values() for b in same.values()]
+        unwritten = self._unwritten_block_ids()
+        index = {h: [b for b in same if b not in unwritten]
+                 for h, same in pool.cached_block_hash_to_block.items()}
+        index = {h: same for h, same in index.items() if same}
+        cached_blocks = [pool.blocks[b] for same in index.values() for b in same]
         return KVStateSnapshot(
             self.num_blocks, self.block_size, pool.get_num_free_blocks(),
             cached={h.hex(): sorted(same) for h, same in index.items()},
             req_blocks={r: [b.block_id for b in bs] for r, bs in self.req_to_blocks.items()},
             block_token_ids={b.block_id: list(b.token_ids or ()) for b in cached_blocks},
             free_order=[b.block_id for b in pool.free_block_queue.get_all_free_blocks()
-                        if b.block_hash is not None],
+                        if b.block_hash is not None and b.block_id not in unwritten],
         )

@@ -53,7 +53,9 @@ class Request:
     """One request's state inside the scheduler.
 
     ``all_token_ids`` is the prompt followed by the outputs; ``num_computed_tokens``
-    counts the leading tokens whose KV is in the cache. ``block_hashes`` holds one
+    counts the leading positions whose KV is in the cache or being computed,
+    ``num_output_placeholders`` of them for tokens sampled in steps whose output
+    has not arrived yet. ``block_hashes`` holds one
     hash per FULL block of ``all_token_ids``; when a block hasher is given it is
     filled at construction and extended by ``append_output_token_ids``. Token lists
     must only be changed through ``append_output_token_ids`` so they stay in sync.
@@ -62,7 +64,8 @@ class Request:
     __slots__ = (
         "request_id", "client_index", "priority", "arrival_time", "sampling_params",
         "eos_token_id", "cache_salt", "prompt_token_ids", "output_token_ids",
-        "all_token_ids", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
+        "all_token_ids", "num_computed_tokens", "num_output_placeholders", "num_cached_tokens",
+        "num_preemptions",
         "status", "stop_reason", "finish_message", "status_code", "block_hashes", "max_tokens",
         "queued_time", "scheduled_time", "first_token_time", "_block_hasher",
     )
@@ -91,6 +94,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens the worker samples in steps still in flight (asynchronous
+        # scheduling): already computed as positions, not yet known as ids.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # set the first time the request is scheduled
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

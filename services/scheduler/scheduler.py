@@ -10,6 +10,15 @@ decodes.
 Preemption is by recompute: when a running request cannot get a block, the
 lowest-priority, latest-arriving running request frees its blocks, resets
 ``num_computed_tokens`` and goes back to the front of the waiting queue.
+
+Asynchronous scheduling (vLLM V1's AsyncScheduler, folded in): ``schedule()``
+may be called again before the previous step's output arrived. A step that
+samples a request's next token leaves a placeholder for it
+(``num_output_placeholders``), so the next step already computes that
+position; the worker feeds in the token it sampled, and the output fills the
+placeholder. A request that stops on a token found one step late has its
+extra token dropped. Outputs must come back in step order; with one step at a
+time (synchronous) placeholders are always filled before the next schedule.
 """
 
 from __future__ import annotations
@@ -196,8 +205,9 @@ class Scheduler:
         """Picks this step's tokens and allocates their KV slots.
 
         Advances each scheduled request's ``num_computed_tokens`` by its
-        scheduled tokens (the worker computes them before the next step); the
-        output carries the values from before, where the worker starts.
+        scheduled tokens (the worker computes them before the next step) and
+        leaves a placeholder for the token it samples; the output carries the
+        values from before, where the worker starts.
         """
         self._step_id += 1
         finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
@@ -206,10 +216,15 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(output, token_budget)
         output.total_num_scheduled_tokens = sum(output.num_scheduled_tokens.values())
+        self.kv_cache_manager.end_schedule(self._step_id)
         return output
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
-        num_new_tokens = request.num_tokens - num_computed_tokens
+        placeholders = request.num_output_placeholders
+        if placeholders and request.max_tokens is not None \
+                and request.num_output_tokens + placeholders >= request.max_tokens:
+            return 0  # the steps in flight already sample its last token
+        num_new_tokens = request.num_tokens + placeholders - num_computed_tokens
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < num_new_tokens:
             num_new_tokens = threshold
@@ -249,7 +264,7 @@ class Scheduler:
                     break
             if new_blocks is None:
                 continue  # it preempted itself; running[req_index] is the next one
-            request.num_computed_tokens = num_computed_tokens + num_new_tokens
+            _advance(request, num_computed_tokens + num_new_tokens)
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             cached.req_ids.append(request.request_id)
@@ -278,6 +293,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        # What a step in flight samples for it is still appended when it arrives.
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self._num_preemptions += 1
         self.waiting.prepend_request(request)
@@ -321,7 +338,7 @@ class Scheduler:
                 request.num_cached_tokens = num_computed_tokens
                 request.scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_computed_tokens + num_new_tokens
+            _advance(request, num_computed_tokens + num_new_tokens)
             output.num_scheduled_tokens[req_id] = num_new_tokens
             token_budget -= num_new_tokens
 
@@ -333,9 +350,11 @@ class Scheduler:
         """Appends sampled tokens, applies stop conditions, frees finished requests.
 
         ``sampled_token_ids[i]`` is empty for a request partway through its
-        prompt (its ``num_computed_tokens`` already advanced in schedule()).
-        Results for requests that ``scheduler_output`` did not schedule, or
-        that finished since (aborted), are dropped. Requests the worker
+        prompt (its ``num_computed_tokens`` already advanced in schedule());
+        a sampled token fills the request's placeholder. Results for requests
+        that ``scheduler_output`` did not schedule, or that finished since
+        (aborted, or stopped a step earlier), are dropped; a request preempted
+        since keeps its token and recomputes it with the rest. Requests the worker
         dropped (``failed``) finish ABORTED with the worker's status and
         message. Returns the outputs grouped by client index, including those
         of requests IGNORED since the last call; ends with one commit to the
@@ -350,9 +369,18 @@ class Scheduler:
         scheduled = scheduler_output.num_scheduled_tokens
         running_status = RequestStatus.RUNNING
         any_stopped = False
+        stopped_waiting: list[Request] = []
         for req_id, sampled in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids):
             request = requests.get(req_id)
-            if request is None or request.status is not running_status or req_id not in scheduled:
+            if request is None or req_id not in scheduled:
+                continue
+            status = request.status
+            if status is running_status:
+                if sampled:
+                    if not request.num_output_placeholders:
+                        continue  # a token for a prefill chunk: not the worker's to sample
+                    request.num_output_placeholders -= 1
+            elif status is not RequestStatus.PREEMPTED:
                 continue
             new_token_ids, stopped = self._append_tokens(request, sampled)
             if request.first_token_time is None and new_token_ids:
@@ -363,6 +391,8 @@ class Scheduler:
             new_prompt_logprobs = prompt_logprobs.get(req_id) if prompt_logprobs else None
             if stopped:
                 any_stopped = True
+                if status is not running_status:
+                    stopped_waiting.append(request)
                 if finished_req_times is not None:
                     finished_req_times.append(request.times(now))
                 self._free_request(request)
@@ -375,9 +405,12 @@ class Scheduler:
             else:
                 client_outputs.append(output)
         if model_runner_output.failed:
-            any_stopped |= self._finish_failed(model_runner_output.failed, scheduled, outputs)
+            any_stopped |= self._finish_failed(model_runner_output.failed, scheduled, outputs,
+                                               stopped_waiting)
         if any_stopped:
             self.running = [r for r in self.running if r.status is running_status]
+        if stopped_waiting:
+            self.waiting.remove_requests(stopped_waiting)
         self.kv_cache_manager.commit(scheduler_output.step_id)
         engine_index = self.config.engine_index
         return {
@@ -390,13 +423,18 @@ class Scheduler:
         failed: dict[str, RequestFailure],
         scheduled: dict[str, int],
         outputs: dict[int, list[EngineCoreOutput]],
+        stopped_waiting: list[Request],
     ) -> bool:
-        """Finishes the requests the worker dropped, each with its status; True if any."""
+        """Finishes the requests the worker dropped, each with its status; True if any.
+        Those preempted since the step go into ``stopped_waiting``."""
         any_failed = False
         for req_id, failure in failed.items():
             request = self.requests.get(req_id)
-            if request is None or request.status is not RequestStatus.RUNNING \
-                    or req_id not in scheduled:
+            if request is None or req_id not in scheduled:
+                continue
+            if request.status is RequestStatus.PREEMPTED:
+                stopped_waiting.append(request)
+            elif request.status is not RequestStatus.RUNNING:
                 continue
             any_failed = True
             request.status = RequestStatus.FINISHED_ABORTED
@@ -466,6 +504,14 @@ class Scheduler:
             prefix_cache_hits=self._prefix_cache_hits,
             num_evicted_blocks=kv.block_pool.num_evicted_blocks,
         )
+
+
+def _advance(request: Request, num_computed_tokens: int) -> None:
+    """Sets the request's computed positions after scheduling; a step that
+    reaches its last token samples the next one, which gets a placeholder."""
+    request.num_computed_tokens = num_computed_tokens
+    if num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+        request.num_output_placeholders += 1
 
 
 def _remove_cached_request(cached: CachedRequestData, req_id: str) -> None:

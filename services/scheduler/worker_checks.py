@@ -57,8 +57,8 @@ def check_runner_output(
 ) -> None:
     """Raises WorkerProtocolError unless ``output`` answers ``step`` honestly.
 
-    Each request appears at most once and was scheduled in the step, with at
-    most one sampled token id in [0, vocab_size); logprob rows belong to
+    Every scheduled request appears exactly once, as an output or a failure,
+    with at most one sampled token id in [0, vocab_size); logprob rows belong to
     requests of the step and never outnumber what was sampled or computed; a
     failed request was scheduled, has no output, and a bounded message with
     an allowed status.
@@ -83,6 +83,10 @@ def check_runner_output(
         _check_failure(req_id, failure, scheduled)
     if not output.failed.keys().isdisjoint(output.req_ids):
         raise WorkerProtocolError("a request both failed and has an output in one step")
+    if len(output.req_ids) + len(output.failed) != len(scheduled):
+        # The scheduler holds a placeholder for each token the step samples.
+        raise WorkerProtocolError(f"answered {len(output.req_ids) + len(output.failed)} of the "
+                                  f"{len(scheduled)} requests scheduled in step {step.step_id}")
     sampled_counts = dict(zip(output.req_ids, map(len, output.sampled_token_ids)))
     for req_id, rows in output.logprobs.items():
         _check_logprob_rows("logprobs", req_id, rows, sampled_counts.get(req_id, 0), vocab_size)

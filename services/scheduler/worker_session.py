@@ -6,7 +6,9 @@ import asyncio
 import os
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from kvmesh.v1 import scheduler_pb2 as spb
 from services.common.convert import drain_message, registered_message, step_message
@@ -37,14 +39,26 @@ _IDLE_STORE_CHECK_S = 0.5
 OutputsCallback = Callable[["WorkerSession", dict[int, EngineCoreOutputs]], None]
 
 
+@dataclass(slots=True, eq=False)
+class StepInFlight:
+    """A step sent to the worker: what was scheduled and its output, once it arrives."""
+
+    scheduler_output: SchedulerOutput
+    output: asyncio.Future[ModelRunnerOutput]
+    sent_time: float
+
+
 class WorkerSession:
     """Drives one worker: wait for work -> schedule -> step -> update -> route.
 
-    One asyncio task per session. Exactly one step is in flight at a time: the
-    next ``schedule()`` waits for the worker's output of the previous step, so
-    blocks freed by an abort are never reused while the worker may still
-    write them. When there is nothing to do the loop sleeps on an event that
-    ``add_request`` / ``abort_requests`` set (no polling).
+    One asyncio task per session. Up to ``max_steps_in_flight`` steps are sent
+    before the oldest one's output arrives (2: asynchronous scheduling, the
+    next step is scheduled and on the wire while the worker computes; 1:
+    synchronous). The worker answers steps in order, so a block freed while a
+    step in flight still writes it (an abort, a preemption) is only written
+    by its next holder in a later step. When there is nothing to do the loop
+    sleeps on an event that ``add_request`` / ``abort_requests`` set (no
+    polling).
 
     Messages for the worker go through ``outbox`` (the WorkerStream handler
     sends them); None there ends the stream. Each step is recorded in
@@ -54,7 +68,7 @@ class WorkerSession:
     def __init__(self, worker_id: str, engine_index: int, scheduler: Scheduler,
                  store: KVStore, on_outputs: OutputsCallback, metrics: WorkerMetrics,
                  vocab_size: int, step_timeout_s: float | None = None,
-                 fault_exit_after_step: float = 0.0) -> None:
+                 fault_exit_after_step: float = 0.0, max_steps_in_flight: int = 1) -> None:
         self.worker_id = worker_id
         self.engine_index = engine_index
         self.vocab_size = vocab_size
@@ -69,8 +83,9 @@ class WorkerSession:
         self.outbox.put_nowait(registered_message(engine_index))
         self._on_outputs = on_outputs
         self._wakeup = asyncio.Event()
-        self._pending_step: SchedulerOutput | None = None
-        self._pending_output: asyncio.Future[ModelRunnerOutput] | None = None
+        self.max_steps_in_flight = max_steps_in_flight
+        self.in_flight: deque[StepInFlight] = deque()
+        self._last_output_time = 0.0
         self._task: asyncio.Task[None] | None = None
         self._draining = False
         self.closed = False
@@ -136,54 +151,91 @@ class WorkerSession:
         return sorted(self.scheduler.requests.values())
 
     def on_runner_output(self, output: ModelRunnerOutput) -> None:
-        """Hands the worker's output to the loop once it is checked against the step
-        in flight (``worker_checks.check_runner_output``); WorkerProtocolError if not."""
-        future, step = self._pending_output, self._pending_step
-        if future is None or step is None:
+        """Hands the worker's output to the loop once it is checked against the
+        oldest unanswered step (``worker_checks.check_runner_output``);
+        WorkerProtocolError if not."""
+        step = next((s for s in self.in_flight if not s.output.done()), None)
+        if step is None:
             raise WorkerProtocolError(f"worker {self.worker_id} answered step "
                                       f"{output.step_id}, but no step is in flight")
         try:
-            check_runner_output(output, step, self.vocab_size)
+            check_runner_output(output, step.scheduler_output, self.vocab_size)
         except WorkerProtocolError as e:
             raise WorkerProtocolError(f"worker {self.worker_id}: {e}") from None
         if self._fault_exit_after_step and random.random() < self._fault_exit_after_step:
             os._exit(FAULT_EXIT_CODE)  # fault injection: die as SIGKILL would, mid-step
-        self._pending_output = None
-        future.set_result(output)
+        step.output.set_result(output)
 
     # ------------------------------------------------------------ loop
 
     async def _run(self) -> None:
         scheduler = self.scheduler
-        while not self._draining:
+        in_flight = self.in_flight
+        while not (self._draining and not in_flight):
             # Cleared before looking at the queues: whatever arrives from here
             # on sets it again, so no wakeup is lost.
             self._wakeup.clear()
-            if not scheduler.has_requests():
-                await self._idle()
-                continue
-            scheduler_output = scheduler.schedule()
-            step_time_s = 0.0
-            if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids:
-                start = time.monotonic()
-                runner_output = await self._execute(scheduler_output)
-                step_time_s = time.monotonic() - start
+            if (not self._draining and len(in_flight) < self.max_steps_in_flight
+                    and scheduler.has_requests()):
+                scheduler_output = scheduler.schedule()
+                if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids:
+                    self._send(scheduler_output)
+                    continue  # fill the pipeline
+                if not in_flight:
+                    # Nothing to compute: flush outputs of requests that finished
+                    # outside a step (IGNORED) without a round trip, then sleep
+                    # until a new request or an abort changes that.
+                    self._apply(scheduler_output, ModelRunnerOutput(step_id=scheduler_output.step_id))
+                    if self.closed:
+                        return
+                    await self._idle()
+                    continue
+                # Else only the outputs in flight can make room: wait for them.
+            if in_flight:
+                step = in_flight[0]
+                runner_output = await self._wait(step)
+                in_flight.popleft()
+                self._apply(step.scheduler_output, runner_output, step.sent_time)
+                if self.closed:
+                    return  # its requests were re-placed: what it produced is not theirs
             else:
-                # Nothing to compute: flush outputs of requests that finished
-                # outside a step (IGNORED) without a round trip to the worker.
-                runner_output = ModelRunnerOutput(step_id=scheduler_output.step_id)
-            outputs = scheduler.update_from_output(scheduler_output, runner_output)
-            if self.closed:
-                return  # its requests were re-placed: what it produced is not theirs
-            if scheduler_output.total_num_scheduled_tokens:
-                self._record_step(scheduler_output.total_num_scheduled_tokens, step_time_s, outputs)
-            if outputs:
-                self._on_outputs(self, outputs)
-            if not scheduler_output.total_num_scheduled_tokens:
-                # Nothing was schedulable: only a new request or an abort can
-                # change that, so sleep until one arrives instead of spinning.
                 await self._idle()
         self.outbox.put_nowait(drain_message())
+
+    def _send(self, scheduler_output: SchedulerOutput) -> None:
+        # Tells the worker which of the blocks it wrote the mirror now covers.
+        scheduler_output.durable_step_id = self.store.durable_step_id
+        future: asyncio.Future[ModelRunnerOutput] = asyncio.get_running_loop().create_future()
+        self.in_flight.append(StepInFlight(scheduler_output, future, time.monotonic()))
+        self.outbox.put_nowait(step_message(scheduler_output))
+
+    async def _wait(self, step: StepInFlight) -> ModelRunnerOutput:
+        # Not wait_for: it can swallow the cancellation close() sends when the
+        # answer arrives at the same moment, and a closed session must not go on.
+        done, _ = await asyncio.wait((step.output,), timeout=self._step_timeout_s)
+        if not done:
+            raise WorkerStepTimeout(f"worker {self.worker_id} did not answer step "
+                                    f"{step.scheduler_output.step_id} within "
+                                    f"{self._step_timeout_s} s")
+        return step.output.result()
+
+    def _apply(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+               sent_time: float | None = None) -> None:
+        """Updates the scheduler with a step's output and routes what it produced.
+        ``sent_time`` None: the step never went to the worker."""
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.closed:
+            return
+        if sent_time is not None:
+            now = time.monotonic()
+            # The worker's time on this step: from when it could start it.
+            step_time_s = now - max(sent_time, self._last_output_time)
+            self._last_output_time = now
+            if scheduler_output.total_num_scheduled_tokens:
+                self._record_step(scheduler_output.total_num_scheduled_tokens, step_time_s,
+                                  outputs)
+        if outputs:
+            self._on_outputs(self, outputs)
 
     async def _idle(self) -> None:
         """Sleeps until a request or an abort arrives; meanwhile repairs a store
@@ -205,22 +257,3 @@ class WorkerSession:
         if finished_req_times:
             self.metrics.observe_finished(finished_req_times)
             finished_req_times.clear()
-
-    async def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        future: asyncio.Future[ModelRunnerOutput] = asyncio.get_running_loop().create_future()
-        self._pending_step = scheduler_output
-        self._pending_output = future
-        # Tells the worker which of the blocks it wrote the mirror now covers.
-        scheduler_output.durable_step_id = self.store.durable_step_id
-        self.outbox.put_nowait(step_message(scheduler_output))
-        try:
-            # Not wait_for: it can swallow the cancellation close() sends when the
-            # answer arrives at the same moment, and a closed session must not go on.
-            done, _ = await asyncio.wait((future,), timeout=self._step_timeout_s)
-            if not done:
-                raise WorkerStepTimeout(f"worker {self.worker_id} did not answer step "
-                                        f"{scheduler_output.step_id} within "
-                                        f"{self._step_timeout_s} s")
-            return future.result()
-        finally:
-            self._pending_step = self._pending_output = None

@@ -247,7 +247,13 @@ class ModelRunner:
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests.get(req_id)
             if state is None:
-                raise KeyError(f"scheduled request {req_id!r} was never sent to this worker in full")
+                # Failed here in an earlier step whose output the scheduler had
+                # not seen when it scheduled this one (asynchronous scheduling),
+                # or never sent in full: either way it fails alone.
+                self._failed[req_id] = RequestFailure.of(
+                    grpc.StatusCode.INTERNAL, f"request {req_id!r} is not known to this worker "
+                    "(it failed in an earlier step, or was never sent in full)")
+                continue
             state.num_computed_tokens = cached.num_computed_tokens[i]
             new_block_ids = cached.new_block_ids[i]
             resumed = cached.resumed_from_preemption[i]

@@ -177,28 +177,32 @@ class WorkerService:
             registered = True
             await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
             while True:
-                pending_read = asyncio.ensure_future(call.read())
+                if pending_read is None:
+                    pending_read = asyncio.ensure_future(_read_step(call))
                 await asyncio.wait((pending_read, self._stop_waiter),
                                    return_when=asyncio.FIRST_COMPLETED)
                 if not pending_read.done():
                     return None  # stop(): leave between steps
-                message, pending_read = pending_read.result(), None
-                if message is grpc.aio.EOF:
-                    raise _SchedulerLost("the scheduler ended the stream")
-                scheduler_output = scheduler_message_from_proto(message)
+                scheduler_output, pending_read = pending_read.result(), None
                 if scheduler_output is None:
                     logger.info("event=worker_drained worker=%s", self.config.worker_id)
                     return None
                 self.dirty_blocks.record(scheduler_output)
                 start = time.monotonic()
-                runner_output = await asyncio.to_thread(self.worker.execute_model, scheduler_output)
+                step = asyncio.ensure_future(
+                    asyncio.to_thread(self.worker.execute_model, scheduler_output))
+                # With asynchronous scheduling the next step is already on its
+                # way: receive and decode it while this one computes.
+                pending_read = asyncio.ensure_future(_read_step(call))
+                runner_output = await step
                 self.metrics.observe_step(scheduler_output.total_num_scheduled_tokens,
                                           time.monotonic() - start)
                 try:
                     await call.write(runner_output_message(runner_output))
-                except asyncio.InvalidStateError as e:
-                    # The scheduler ended the RPC while the step ran.
-                    raise _SchedulerLost("the stream finished during a step") from e
+                except (asyncio.InvalidStateError, grpc.aio.AioRpcError) as e:
+                    # The scheduler ended the RPC while the step ran (with the
+                    # next read pending, grpc reports it as a failed write).
+                    raise _SchedulerLost(f"the stream finished during a step: {e!r}") from e
         except _Stopped:
             return None
         except _SchedulerLost as e:
@@ -266,9 +270,20 @@ async def _close(call: grpc.aio.StreamStreamCall, pending_read: asyncio.Future |
         call.cancel()
 
 
+async def _read_step(call: grpc.aio.StreamStreamCall) -> SchedulerOutput | None:
+    """The scheduler's next step; None for Drain, _SchedulerLost when the stream ends."""
+    message = await call.read()
+    if message is grpc.aio.EOF:
+        raise _SchedulerLost("the scheduler ended the stream")
+    return scheduler_message_from_proto(message)
+
+
 async def _read_to_end(call: grpc.aio.StreamStreamCall, pending_read: asyncio.Future | None) -> None:
-    if pending_read is not None and await pending_read is grpc.aio.EOF:
-        return
+    if pending_read is not None:
+        try:
+            await pending_read
+        except _SchedulerLost:
+            return  # EOF
     while await call.read() is not grpc.aio.EOF:
         pass
 

@@ -13,6 +13,8 @@ TINY_MAX_MODEL_LEN = 256
 TINY_NUM_KV_BLOCKS = 64  # including the null block
 TINY_MAX_NUM_SEQS = 4
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+# Clusters built for both ways of scheduling; the flag each one gives the scheduler.
+SCHEDULING_MODES = {"async": [], "sync": ["--no-async-scheduling"]}
 
 
 def tiny_cluster_config(model_dir: Path, log_dir: Path, **overrides) -> ClusterConfig:

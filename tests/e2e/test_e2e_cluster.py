@@ -19,16 +19,23 @@ from kvmesh.client import Client
 from kvmesh.healthcheck import check_health
 from kvmesh.v1 import api_pb2, scheduler_pb2_grpc
 from services.common.security import secret_metadata
-from tests.e2e.helpers import GREEDY, all_blocks_free, tiny_cluster_config, wait_for
+from tests.e2e.helpers import (
+    GREEDY,
+    SCHEDULING_MODES,
+    all_blocks_free,
+    tiny_cluster_config,
+    wait_for,
+)
 
 MAX_NUM_WAITING = 4
 
 
-@pytest.fixture(scope="module")
-def cluster(make_cluster, tiny_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=list(SCHEDULING_MODES))
+def cluster(make_cluster, tiny_model_dir, tmp_path_factory, request):
     config = tiny_cluster_config(
         tiny_model_dir, tmp_path_factory.mktemp("logs"), num_workers=2, num_frontends=2,
-        scheduler_args=["--max-num-seqs", "4", "--max-num-waiting", str(MAX_NUM_WAITING)],
+        scheduler_args=["--max-num-seqs", "4", "--max-num-waiting", str(MAX_NUM_WAITING),
+                        *SCHEDULING_MODES[request.param]],
     )
     return make_cluster(config)
 

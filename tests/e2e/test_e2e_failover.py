@@ -15,15 +15,22 @@ import pytest
 
 from kvmesh.client import Client
 from kvmesh.cluster import LocalCluster, ServiceProcess
-from tests.e2e.helpers import GREEDY, all_blocks_free, tiny_cluster_config, wait_for
+from tests.e2e.helpers import (
+    GREEDY,
+    SCHEDULING_MODES,
+    all_blocks_free,
+    tiny_cluster_config,
+    wait_for,
+)
 
 MAX_TOKENS = 150
 
 
-@pytest.fixture(scope="module")
-def cluster(make_cluster, tiny_model_dir, tmp_path_factory) -> LocalCluster:
+@pytest.fixture(scope="module", params=list(SCHEDULING_MODES))
+def cluster(make_cluster, tiny_model_dir, tmp_path_factory, request) -> LocalCluster:
     config = tiny_cluster_config(tiny_model_dir, tmp_path_factory.mktemp("logs"),
                                  num_workers=2, num_frontends=2)
+    config.scheduler_args += SCHEDULING_MODES[request.param]
     return make_cluster(config)
 
 

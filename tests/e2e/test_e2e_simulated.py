@@ -14,16 +14,17 @@ import pytest
 from kvmesh.client import Client
 from kvmesh.offline import LLM
 from services.common.sampling_params import SamplingParams
-from tests.e2e.helpers import tiny_cluster_config
+from tests.e2e.helpers import SCHEDULING_MODES, tiny_cluster_config
 
 PROMPTS = [f"Request {i}: " + "tell me something " * (i % 5) for i in range(12)]
 MAX_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def cluster(make_cluster, tiny_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=list(SCHEDULING_MODES))
+def cluster(make_cluster, tiny_model_dir, tmp_path_factory, request):
     config = tiny_cluster_config(tiny_model_dir, tmp_path_factory.mktemp("logs"), num_workers=2)
     config.worker_args.append("--simulate")
+    config.scheduler_args += SCHEDULING_MODES[request.param]
     return make_cluster(config)
 
 
@@ -36,8 +37,10 @@ def test_simulated_cluster_equals_in_process(cluster, tiny_model_dir):
 
     with ThreadPoolExecutor(6) as pool:
         over_grpc = list(pool.map(generate, PROMPTS))
-    llm = LLM(model=str(tiny_model_dir), simulate=True, max_model_len=256)
-    in_process = [o.outputs[0].token_ids for o in llm.generate(
-        PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)]
-    assert over_grpc == in_process
+    for async_scheduling in (True, False):
+        llm = LLM(model=str(tiny_model_dir), simulate=True, max_model_len=256,
+                  async_scheduling=async_scheduling)
+        in_process = [o.outputs[0].token_ids for o in llm.generate(
+            PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)]
+        assert over_grpc == in_process
     assert all(len(tokens) == MAX_TOKENS for tokens in over_grpc)

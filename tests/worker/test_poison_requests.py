@@ -12,7 +12,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.common.scheduler_output import CachedRequestData, SchedulerOutput
+from services.common.limits import SchedulingLimits
+from services.common.sampling_params import SamplingParams
+from services.common.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from services.worker.worker import MAX_CONSECUTIVE_FAILED_STEPS
 from tests.worker.helpers import (
     VOCAB_SIZE,
@@ -83,18 +85,34 @@ def test_a_failed_step_fails_its_requests_and_the_worker_goes_on(tiny_model_dir)
     assert worker.num_consecutive_failed_steps == 0
 
 
-def test_consecutive_failed_steps_end_the_worker(tiny_model_dir):
+def test_request_unknown_to_the_worker_fails_alone(tiny_model_dir):
+    """With asynchronous scheduling a step can name a request the worker failed
+    a step earlier; it fails again, alone, and the worker goes on."""
     worker = make_worker(tiny_model_dir)
+    ghost = SchedulerOutput(
+        scheduled_cached_reqs=CachedRequestData(["ghost"], [False], [[]], [0]),
+        num_scheduled_tokens={"ghost": 1}, total_num_scheduled_tokens=1, step_id=1)
+    output = worker.execute_model(ghost)
+    assert (output.req_ids, list(output.failed)) == ([], ["ghost"])
+    assert output.failed["ghost"].status_code == INTERNAL
+    assert worker.num_consecutive_failed_steps == 0
 
-    def ghost_step(step_id: int) -> SchedulerOutput:
-        # A request this worker never received in full: the step cannot run.
-        return SchedulerOutput(
-            scheduled_cached_reqs=CachedRequestData(["ghost"], [False], [[]], [0]),
-            num_scheduled_tokens={"ghost": 1}, total_num_scheduled_tokens=1, step_id=step_id)
+
+def test_consecutive_failed_steps_end_the_worker(tiny_model_dir):
+    worker = make_worker(tiny_model_dir,
+                         limits=SchedulingLimits(max_num_seqs=4, max_num_batched_tokens=32))
+
+    def oversized_step(step_id: int) -> SchedulerOutput:
+        # More tokens than the worker's buffers hold: the step cannot run.
+        req_id = f"big-{step_id}"
+        new = NewRequestData(req_id, list(range(1, 41)), SamplingParams(max_tokens=1),
+                             block_ids=[1, 2, 3], num_computed_tokens=0)
+        return SchedulerOutput(scheduled_new_reqs=[new], num_scheduled_tokens={req_id: 40},
+                               total_num_scheduled_tokens=40, step_id=step_id)
 
     for step_id in range(1, MAX_CONSECUTIVE_FAILED_STEPS):
-        output = worker.execute_model(ghost_step(step_id))
-        assert (output.req_ids, list(output.failed)) == ([], ["ghost"])
-        assert output.failed["ghost"].status_code == INTERNAL
-    with pytest.raises(KeyError, match="never sent to this worker in full"):
-        worker.execute_model(ghost_step(MAX_CONSECUTIVE_FAILED_STEPS))
+        output = worker.execute_model(oversized_step(step_id))
+        assert (output.req_ids, list(output.failed)) == ([], [f"big-{step_id}"])
+        assert output.failed[f"big-{step_id}"].status_code == INTERNAL
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        worker.execute_model(oversized_step(MAX_CONSECUTIVE_FAILED_STEPS))
