@@ -7,7 +7,8 @@ numbers in ``SamplingParams.extra_args`` come back as floats.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from itertools import chain, islice
 from typing import Any
 
 from google.protobuf import struct_pb2
@@ -244,6 +245,7 @@ def engine_core_outputs_from_proto(msg: pb.EngineCoreOutputs) -> EngineCoreOutpu
 
 def scheduler_output_to_proto(s: SchedulerOutput) -> pb.SchedulerOutput:
     cached = s.scheduled_cached_reqs
+    num_scheduled = s.num_scheduled_tokens
     return pb.SchedulerOutput(
         scheduled_new_reqs=[
             pb.NewRequestData(
@@ -259,10 +261,12 @@ def scheduler_output_to_proto(s: SchedulerOutput) -> pb.SchedulerOutput:
         scheduled_cached_reqs=pb.CachedRequestData(
             req_ids=cached.req_ids,
             resumed_from_preemption=cached.resumed_from_preemption,
-            new_block_ids=[pb.CachedRequestData.BlockIds(ids=ids) for ids in cached.new_block_ids],
             num_computed_tokens=cached.num_computed_tokens,
+            new_block_ids=list(chain.from_iterable(cached.new_block_ids)),
+            num_new_block_ids=list(map(len, cached.new_block_ids)),
         ),
-        num_scheduled_tokens=s.num_scheduled_tokens,
+        num_scheduled_tokens=[num_scheduled[r.req_id] for r in s.scheduled_new_reqs]
+        + list(map(num_scheduled.__getitem__, cached.req_ids)),
         total_num_scheduled_tokens=s.total_num_scheduled_tokens,
         finished_req_ids=sorted(s.finished_req_ids),
         step_id=s.step_id,
@@ -271,26 +275,35 @@ def scheduler_output_to_proto(s: SchedulerOutput) -> pb.SchedulerOutput:
 
 
 def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
+    """ValueError when the columns do not line up."""
     cached = msg.scheduled_cached_reqs
+    new_reqs = [
+        NewRequestData(
+            req_id=r.req_id,
+            prompt_token_ids=list(r.prompt_token_ids),
+            sampling_params=sampling_params_from_proto(r.sampling_params),
+            block_ids=list(r.block_ids),
+            num_computed_tokens=r.num_computed_tokens,
+            output_token_ids=list(r.output_token_ids),
+        )
+        for r in msg.scheduled_new_reqs
+    ]
+    req_ids = list(cached.req_ids)
+    num_reqs = len(req_ids)
+    if not (len(cached.resumed_from_preemption) == len(cached.num_computed_tokens)
+            == len(cached.num_new_block_ids) == num_reqs
+            and len(msg.num_scheduled_tokens) == len(new_reqs) + num_reqs):
+        raise ValueError("SchedulerOutput columns of different lengths")
     return SchedulerOutput(
-        scheduled_new_reqs=[
-            NewRequestData(
-                req_id=r.req_id,
-                prompt_token_ids=list(r.prompt_token_ids),
-                sampling_params=sampling_params_from_proto(r.sampling_params),
-                block_ids=list(r.block_ids),
-                num_computed_tokens=r.num_computed_tokens,
-                output_token_ids=list(r.output_token_ids),
-            )
-            for r in msg.scheduled_new_reqs
-        ],
+        scheduled_new_reqs=new_reqs,
         scheduled_cached_reqs=CachedRequestData(
-            req_ids=list(cached.req_ids),
+            req_ids=req_ids,
             resumed_from_preemption=list(cached.resumed_from_preemption),
-            new_block_ids=[list(b.ids) for b in cached.new_block_ids],
+            new_block_ids=_split(cached.new_block_ids, cached.num_new_block_ids),
             num_computed_tokens=list(cached.num_computed_tokens),
         ),
-        num_scheduled_tokens=dict(msg.num_scheduled_tokens),
+        num_scheduled_tokens=dict(zip([r.req_id for r in new_reqs] + req_ids,
+                                      msg.num_scheduled_tokens)),
         total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
         finished_req_ids=set(msg.finished_req_ids),
         step_id=msg.step_id,
@@ -298,18 +311,23 @@ def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
     )
 
 
+def _split(flat: Sequence[int], counts: Sequence[int]) -> list[list[int]]:
+    """``flat`` cut into consecutive lists of ``counts`` items; ValueError if they
+    do not add up."""
+    if any(c < 0 for c in counts) or sum(counts) != len(flat):
+        raise ValueError(f"{len(flat)} items cannot be split into lists of {list(counts)[:8]}")
+    if not flat:
+        return [[] for _ in counts]
+    items = iter(flat)
+    return [list(islice(items, c)) for c in counts]
+
+
 def model_runner_output_to_proto(o: ModelRunnerOutput) -> pb.ModelRunnerOutput:
-    return pb.ModelRunnerOutput(
-        outputs=[
-            pb.ModelRunnerOutput.RequestOutput(
-                req_id=req_id,
-                sampled_token_ids=sampled,
-                logprobs=logprobs_to_proto(o.logprobs.get(req_id)),
-                prompt_logprobs=logprobs_to_proto(o.prompt_logprobs.get(req_id)),
-            )
-            for req_id, sampled in zip(o.req_ids, o.sampled_token_ids)
-        ],
+    msg = pb.ModelRunnerOutput(
         step_id=o.step_id,
+        req_ids=o.req_ids,
+        sampled_token_ids=list(chain.from_iterable(o.sampled_token_ids)),
+        num_sampled_token_ids=list(map(len, o.sampled_token_ids)),
         failed=[
             pb.ModelRunnerOutput.RequestFailure(
                 req_id=req_id, status_code=f.status_code, message=f.message
@@ -317,13 +335,26 @@ def model_runner_output_to_proto(o: ModelRunnerOutput) -> pb.ModelRunnerOutput:
             for req_id, f in o.failed.items()
         ],
     )
+    for req_id in o.logprobs.keys() | o.prompt_logprobs.keys():
+        msg.logprobs.append(pb.ModelRunnerOutput.RequestLogprobs(
+            req_id=req_id,
+            logprobs=logprobs_to_proto(o.logprobs.get(req_id)),
+            prompt_logprobs=logprobs_to_proto(o.prompt_logprobs.get(req_id)),
+        ))
+    return msg
 
 
 def model_runner_output_from_proto(msg: pb.ModelRunnerOutput) -> ModelRunnerOutput:
-    out = ModelRunnerOutput(step_id=msg.step_id)
-    for r in msg.outputs:
-        out.req_ids.append(r.req_id)
-        out.sampled_token_ids.append(list(r.sampled_token_ids))
+    """ValueError when the columns do not line up."""
+    if len(msg.num_sampled_token_ids) != len(msg.req_ids):
+        raise ValueError(f"{len(msg.req_ids)} request ids but "
+                         f"{len(msg.num_sampled_token_ids)} token counts")
+    out = ModelRunnerOutput(
+        req_ids=list(msg.req_ids),
+        sampled_token_ids=_split(msg.sampled_token_ids, msg.num_sampled_token_ids),
+        step_id=msg.step_id,
+    )
+    for r in msg.logprobs:
         if r.HasField("logprobs"):
             out.logprobs[r.req_id] = logprobs_from_proto(r.logprobs, True)
         if r.HasField("prompt_logprobs"):

@@ -134,6 +134,25 @@ def test_scheduler_and_runner_outputs_round_trip():
     assert convert.model_runner_output_from_proto(convert.model_runner_output_to_proto(runner)) == runner
 
 
+def test_step_messages_are_columns_and_misaligned_columns_are_refused():
+    sched = SchedulerOutput(
+        scheduled_cached_reqs=CachedRequestData(["a", "b", "c"], [False] * 3,
+                                                [[], [7, 8], []], [5, 6, 7]),
+        num_scheduled_tokens={"c": 1, "a": 1, "b": 1}, total_num_scheduled_tokens=3)
+    msg = convert.scheduler_output_to_proto(sched)
+    assert (list(msg.scheduled_cached_reqs.new_block_ids),
+            list(msg.scheduled_cached_reqs.num_new_block_ids)) == ([7, 8], [0, 2, 0])
+    assert convert.scheduler_output_from_proto(msg) == sched
+    del msg.scheduled_cached_reqs.new_block_ids[-1]
+    with pytest.raises(ValueError, match="cannot be split"):
+        convert.scheduler_output_from_proto(msg)
+    out = convert.model_runner_output_to_proto(
+        ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[[3], []]))
+    out.num_sampled_token_ids.append(1)
+    with pytest.raises(ValueError, match="2 request ids but 3 token counts"):
+        convert.model_runner_output_from_proto(out)
+
+
 def test_registration_limits_round_trip_and_unreported_is_none():
     limits = SchedulingLimits(max_num_seqs=8, max_num_batched_tokens=512)
     reported = WorkerRegistration("w", "m", "float32", 16, 64, 256, 256, [2], limits)
