@@ -131,17 +131,19 @@ class KVCacheManager:
         num_new_blocks = max(cdiv(num_required_tokens, self.block_size)
                              - num_held - len(new_computed_blocks), 0)
         # A free hit block leaves the free queue, so it costs a free block too.
-        num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        num_free_hits = (sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+                         if new_computed_blocks else 0)
         if num_new_blocks + num_free_hits > self.block_pool.get_num_free_blocks():
             return None
 
-        # Touch before allocating so the pops below cannot evict a hit block.
-        self.block_pool.touch(new_computed_blocks)
         req_blocks = self.req_to_blocks.setdefault(req_id, [])
-        req_blocks.extend(new_computed_blocks)
         if new_computed_blocks:
+            # Touch before allocating so the pops below cannot evict a hit block.
+            self.block_pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
             self.num_cached_block[req_id] = len(req_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        # Most decode steps need no new block.
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         req_blocks.extend(new_blocks)
         if new_computed_blocks or new_blocks:
             self._dirty_req_ids.add(req_id)
