@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvmesh.client import Client
+from tests.e2e.helpers import SCHEDULING_MODES
 
 pytestmark = pytest.mark.slow
 
@@ -25,8 +26,8 @@ QUESTIONS = (
 )
 
 
-@pytest.fixture(scope="module")
-def client(make_cluster, tmp_path_factory):
+@pytest.fixture(scope="module", params=list(SCHEDULING_MODES))
+def client(make_cluster, tmp_path_factory, request):
     from kvmesh.cluster import ClusterConfig
 
     # float32 pinned: the oracle below is transformers in float32, and greedy ids
@@ -34,6 +35,7 @@ def client(make_cluster, tmp_path_factory):
     # transformers' bfloat16 in tests/worker/test_cpu_dtypes.py).
     cluster = make_cluster(ClusterConfig(max_model_len=512, log_dir=tmp_path_factory.mktemp("logs"),
                                          worker_args=["--dtype", "float32"],
+                                         scheduler_args=SCHEDULING_MODES[request.param],
                                          startup_timeout_s=300.0))
     with Client(cluster.address, timeout_s=120) as client:
         yield client
