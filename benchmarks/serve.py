@@ -100,11 +100,11 @@ def make_workload(args: argparse.Namespace) -> list[BenchRequest]:
 # ---------------------------------------------------------------- gRPC
 
 
-async def _grpc_one(stub, request: BenchRequest, index: int, cache_salt: str) -> RequestResult:
+async def _grpc_one(stub, request: BenchRequest, index: int, cache_salt: str,
+                    output_kind: int = engine_pb2.DELTA) -> RequestResult:
     params = engine_pb2.SamplingParams(
         n=1, temperature=0.0, top_p=1.0, repetition_penalty=1.0, max_tokens=request.output_len,
-        ignore_eos=True, detokenize=True, skip_special_tokens=True,
-        output_kind=engine_pb2.DELTA,
+        ignore_eos=True, detokenize=True, skip_special_tokens=True, output_kind=output_kind,
     )
     message = api_pb2.GenerateRequest(request_id=f"bench-{index}", sampling_params=params,
                                       cache_salt=cache_salt)
@@ -123,7 +123,8 @@ async def _grpc_one(stub, request: BenchRequest, index: int, cache_salt: str) ->
 
 
 async def run_grpc(address: str, workload: list[BenchRequest], max_concurrency: int,
-                   cache_salt: str) -> tuple[list[RequestResult], float]:
+                   cache_salt: str, output_kind: int = engine_pb2.DELTA
+                   ) -> tuple[list[RequestResult], float]:
     semaphore = asyncio.Semaphore(max_concurrency)
     async with grpc.aio.insecure_channel(address) as channel:
         stub = api_pb2_grpc.GenerationStub(channel)
@@ -134,7 +135,7 @@ async def run_grpc(address: str, workload: list[BenchRequest], max_concurrency: 
         async def timed(index: int, request: BenchRequest) -> RequestResult:
             await asyncio.sleep(max(0.0, t0 + request.arrival_s - time.perf_counter()))
             async with semaphore:
-                return await _grpc_one(stub, request, index, cache_salt)
+                return await _grpc_one(stub, request, index, cache_salt, output_kind)
 
         results = await asyncio.gather(*(timed(i, r) for i, r in enumerate(workload)))
         return list(results), time.perf_counter() - t0
@@ -200,15 +201,16 @@ async def _detokenize(client: openai.AsyncOpenAI, url: str, token_ids: list[int]
 # ---------------------------------------------------------------- in-process
 
 
-def run_inprocess(engine, workload: list[BenchRequest], max_concurrency: int, cache_salt: str
-                  ) -> tuple[list[RequestResult], float]:
-    """The same arrivals through LLMEngine.step(), timing outputs as they come."""
+def run_inprocess(engine, workload: list[BenchRequest], max_concurrency: int, cache_salt: str,
+                  output_kind: str = "DELTA") -> tuple[list[RequestResult], float]:
+    """The same arrivals through LLMEngine.step(), timing outputs as they come
+    (``output_kind``: a RequestOutputKind name)."""
     from services.common.sampling_params import RequestOutputKind, SamplingParams
 
     def add(index: int) -> None:
         request = workload[index]
         params = SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True,
-                                output_kind=RequestOutputKind.DELTA)
+                                output_kind=RequestOutputKind[output_kind])
         results[index] = RequestResult(start_s=time.perf_counter())
         engine.add_request(str(index), request.prompt_token_ids, params, cache_salt=cache_salt)
 
