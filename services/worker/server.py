@@ -181,8 +181,10 @@ class WorkerService:
                     pending_read = asyncio.ensure_future(_read_step(call))
                 await asyncio.wait((pending_read, self._stop_waiter),
                                    return_when=asyncio.FIRST_COMPLETED)
-                if not pending_read.done():
-                    return None  # stop(): leave between steps
+                if self._stop_waiter.done():
+                    # stop(): leave between steps, also when the next one (sent
+                    # ahead by asynchronous scheduling) is already here.
+                    return None
                 scheduler_output, pending_read = pending_read.result(), None
                 if scheduler_output is None:
                     logger.info("event=worker_drained worker=%s", self.config.worker_id)
