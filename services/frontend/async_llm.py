@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from services.common.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
-from services.common.sampling_params import SamplingParams
+from services.common.sampling_params import RequestOutputKind, SamplingParams
 from services.common.validation import (
     MAX_CACHE_SALT_CHARS,
     MAX_CLIENT_REQUEST_ID_CHARS,
@@ -67,14 +67,25 @@ def engine_failure(output: EngineCoreOutput) -> RequestFailedError | None:
 
 class RequestOutputCollector:
     """The outputs of one call, in order, for one consumer; ends with the final
-    output or an error."""
+    output or an error.
 
-    def __init__(self) -> None:
+    Outputs that arrive while the consumer has not taken the previous one
+    merge into it (as vLLM's collector does): under load a stream gets fewer,
+    larger DELTA chunks (``aggregate``) or only the newest cumulative output,
+    instead of one message per token falling ever further behind.
+    """
+
+    def __init__(self, aggregate: bool) -> None:
+        self.aggregate = aggregate
         self._items: deque[RequestOutput | RequestFailedError] = deque()
         self._ready = asyncio.Event()
 
     def put(self, item: RequestOutput | RequestFailedError) -> None:
-        self._items.append(item)
+        last = self._items[-1] if self._items else None
+        if isinstance(last, RequestOutput) and isinstance(item, RequestOutput):
+            last.add(item, self.aggregate)
+        else:
+            self._items.append(item)
         self._ready.set()
 
     async def get(self) -> RequestOutput:
@@ -178,7 +189,8 @@ class AsyncLLM:
         )
         key = request.request_id
         children = self.output_processor.add_client_request(request, prompt_text, key)
-        self._collectors[key] = RequestOutputCollector()
+        self._collectors[key] = RequestOutputCollector(
+            aggregate=request.sampling_params.output_kind == RequestOutputKind.DELTA)
         logger.info(
             "event=request_added request_id=%s internal_id=%s num_prompt_tokens=%d n=%d "
             "max_tokens=%d", request_id, key, len(prompt_token_ids),

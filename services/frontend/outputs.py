@@ -59,3 +59,41 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestStateStats | None = None
+
+    def add(self, newer: RequestOutput, aggregate: bool) -> None:
+        """Folds ``newer``, the next output of the same request, into this one
+        (vLLM's RequestOutput.add). ``aggregate`` (DELTA outputs): each
+        sequence's new text, token ids and logprobs are appended; otherwise
+        the newer sequences replace the older ones."""
+        self.finished |= newer.finished
+        self.num_cached_tokens = newer.num_cached_tokens
+        self.metrics = newer.metrics
+        if newer.prompt_logprobs is not None:
+            self.prompt_logprobs = newer.prompt_logprobs
+        outputs = list(self.outputs)  # the list may be the caller's
+        by_index = {completion.index: i for i, completion in enumerate(outputs)}
+        for completion in newer.outputs:
+            i = by_index.get(completion.index)
+            if i is None:
+                by_index[completion.index] = len(outputs)
+                outputs.append(completion)
+            elif aggregate:
+                outputs[i] = _concatenated(outputs[i], completion)
+            else:
+                outputs[i] = completion
+        self.outputs = outputs
+
+
+def _concatenated(older: CompletionOutput, newer: CompletionOutput) -> CompletionOutput:
+    """One DELTA output holding ``older``'s new tokens followed by ``newer``'s."""
+    if older.logprobs is None or newer.logprobs is None:
+        logprobs = older.logprobs if newer.logprobs is None else newer.logprobs
+    else:
+        logprobs = older.logprobs + newer.logprobs
+    return CompletionOutput(
+        index=older.index, text=older.text + newer.text,
+        token_ids=older.token_ids + newer.token_ids,
+        cumulative_logprob=newer.cumulative_logprob, logprobs=logprobs,
+        finish_reason=newer.finish_reason, stop_reason=newer.stop_reason,
+        finish_message=newer.finish_message,
+    )
