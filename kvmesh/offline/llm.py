@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -47,11 +47,12 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Completes each prompt (text or token ids); one output per prompt, in order.
+        """Completes each prompt (text, token ids, or vLLM's ``{"prompt": ...}`` /
+        ``{"prompt_token_ids": ...}`` dicts); one output per prompt, in order.
 
         ``sampling_params`` is one for all prompts or one per prompt.
         """
-        if isinstance(prompts, str) or _is_token_ids(prompts):
+        if isinstance(prompts, str | Mapping) or _is_token_ids(prompts):
             prompts = [prompts]
         return self._run(list(prompts), sampling_params, use_tqdm, priority, True)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -24,7 +25,10 @@ from services.common.validation import (
 from services.frontend.tokenizer import ChatMessage, encode_chat, encode_prompt, tokenize
 
 # A prompt: text, token ids, or chat messages ({"role", "content"} dicts).
-PromptType = str | Sequence[int] | Sequence[ChatMessage]
+# Text, token ids, chat messages, or vLLM's TextPrompt / TokensPrompt dicts
+# ({"prompt": text} / {"prompt_token_ids": ids}).
+PromptType = str | Sequence[int] | Sequence[ChatMessage] | Mapping[str, Any]
+_PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")
 # (name, check) of a logits processor's ``validate_params``: raises ValueError
 # (or TypeError) for params the processor cannot serve.
 ParamsValidator = tuple[str, Callable[[SamplingParams], None]]
@@ -87,6 +91,7 @@ class InputProcessor:
 
         Checks the size bounds first: a prompt over them is never tokenized.
         """
+        prompt = unwrap_prompt(prompt)
         self.check_prompt_size(prompt)
         if isinstance(prompt, str):
             return prompt, encode_prompt(self.tokenizer, prompt)
@@ -114,7 +119,7 @@ class InputProcessor:
         """ValidationError when text or chat messages exceed ``limits`` (roles too)."""
         if isinstance(prompt, str):
             self._check_prompt_bytes(len(prompt.encode()))
-        elif prompt and isinstance(prompt[0], dict):
+        elif isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], dict):
             self._check_chat(list(prompt))
 
     def _check_prompt_bytes(self, num_bytes: int) -> None:
@@ -187,3 +192,14 @@ class InputProcessor:
             extra_eos = [t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids]
             params.stop_token_ids = [*params.stop_token_ids, *extra_eos]
         return params
+
+
+def unwrap_prompt(prompt: PromptType) -> PromptType:
+    """vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}`` as the text or
+    the ids; any other prompt as it is. ValidationError for another dict."""
+    if not isinstance(prompt, Mapping):
+        return prompt
+    if len(prompt) == 1 and next(iter(prompt)) in _PROMPT_DICT_KEYS:
+        return next(iter(prompt.values()))
+    raise ValidationError("prompt", "a prompt dict must hold exactly one of the keys "
+                                    f"{_PROMPT_DICT_KEYS}, got {sorted(map(str, prompt))[:8]}")

@@ -7,6 +7,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from services.common.sampling_params import SamplingParams
+from services.common.validation import ValidationError
 from services.frontend.input_processor import InputProcessor
 from services.frontend.tokenizer import (
     encode_chat,
@@ -50,6 +51,17 @@ def test_token_ids_pass_through_and_request_fields(input_processor):
     assert request.sampling_params.stop == ["###"]
     assert params.stop == "###"  # the caller's params are never modified
     assert request.sampling_params is not params
+
+
+def test_vllm_prompt_dicts_and_a_bad_prompt_get_a_clear_error(input_processor, tokenizer):
+    assert input_processor.render_prompt({"prompt_token_ids": [5, 6]}) == (None, [5, 6])
+    text, ids = input_processor.render_prompt({"prompt": "Hello"})
+    assert (text, ids) == ("Hello", input_processor.render_prompt("Hello")[1])
+    for bad in ({"prompt": "a", "prompt_token_ids": [1]}, {"text": "a"}, {}):
+        with pytest.raises(ValidationError, match="prompt dict must hold exactly one"):
+            input_processor.render_prompt(bad)
+    with pytest.raises(ValidationError, match="prompt must be a string"):
+        input_processor.render_prompt(["a", 1])
 
 
 def test_extra_eos_ids_become_stop_token_ids(tokenizer):
