@@ -20,9 +20,11 @@ fixed length, so every microsecond above that wait is control plane. Tables:
     directly so that no frontend's detokenizing is in the way;
 (d) the tiny random-weight Llama (2 layers, hidden 64, the SmolLM2 tokenizer)
     through ``benchmarks/serve.py``, gRPC against in-process, with
-    ``OMP_NUM_THREADS=1`` and with the default threads.
+    ``OMP_NUM_THREADS=1`` and with the default threads;
+(e) the default model in-process (``LLM.generate``), asynchronous scheduling
+    against synchronous: what the offline default costs or gains on the CPU.
 
-    .venv/bin/python -m benchmarks.control_plane                 # every table
+    .venv/bin/python -m benchmarks.control_plane                 # tables (a) to (d)
     .venv/bin/python -m benchmarks.control_plane --tables a b    # some
 """
 
@@ -360,17 +362,43 @@ def table_d(args: argparse.Namespace) -> None:
                  "in-process TPOT ms", "gRPC TPOT ms"], rows)
 
 
+def table_e(args: argparse.Namespace) -> None:
+    from kvmesh.offline import LLM
+    from services.common.sampling_params import SamplingParams as Params
+
+    requests = [{"prompt_token_ids": p} for p in prompts(32, PROMPT_LEN, seed=3)]
+    params = Params(temperature=0.0, max_tokens=64, ignore_eos=True)
+    llms = {mode: LLM(async_scheduling=mode == "async") for mode in ("async", "sync")}
+    rates: dict[str, list[float]] = {mode: [] for mode in llms}
+    tokens = {}
+    for mode, llm in llms.items():
+        llm.generate(requests[:2], params, use_tqdm=False)  # warm-up
+    for _ in range(args.repeats + 1):
+        for mode, llm in llms.items():  # alternating: both see the same background load
+            t0 = time.perf_counter()
+            outputs = llm.generate(requests, params, use_tqdm=False)
+            rates[mode].append(len(requests) * 64 / (time.perf_counter() - t0))
+            tokens[mode] = [o.outputs[0].token_ids for o in outputs]
+    assert tokens["async"] == tokens["sync"]
+    best = {mode: max(r) for mode, r in rates.items()}
+    print_table(f"(e) SmolLM2-135M-Instruct in-process, 32 prompts of {PROMPT_LEN} + 64 tokens, "
+                f"best of {args.repeats + 1}, identical tokens",
+                ["async tok/s", "sync tok/s", "async / sync"],
+                [[f"{best['async']:.0f}", f"{best['sync']:.0f}",
+                  f"{best['async'] / best['sync']:.2f}"]])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tables", nargs="+", choices="abcd", default=list("abcd"))
+    p.add_argument("--tables", nargs="+", choices="abcde", default=list("abcd"))
     p.add_argument("--steps", type=int, default=100, help="(a): timed decode steps per case")
     p.add_argument("--num-prompts", type=int, default=512, help="(b): requests per run")
     p.add_argument("--output-len", type=int, default=64, help="(b), (c): tokens per request")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="(c)")
-    p.add_argument("--repeats", type=int, default=2, help="(d): runs of each backend")
+    p.add_argument("--repeats", type=int, default=2, help="(d), (e): runs of each")
     args = p.parse_args()
-    tables = {"a": table_a, "b": table_b, "c": table_c, "d": table_d}
+    tables = {"a": table_a, "b": table_b, "c": table_c, "d": table_d, "e": table_e}
     for name in args.tables:
         tables[name](args)
 
