@@ -122,8 +122,11 @@ class KVCacheManager:
         """
         if num_new_tokens < 1:
             raise ValueError(f"num_new_tokens is {num_new_tokens}, must be >= 1")
-        new_computed_blocks = new_computed_blocks or []
         req_id = request.request_id
+        if not (new_computed_blocks or num_new_computed_tokens or num_lookahead_tokens) \
+                and self._fits_held_blocks(request, num_new_tokens):
+            return []  # most decode steps: nothing to allocate or cache
+        new_computed_blocks = new_computed_blocks or []
         num_held = len(self.req_to_blocks.get(req_id, ()))
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_required_tokens = min(num_computed_tokens + num_new_tokens + num_lookahead_tokens,
@@ -161,6 +164,17 @@ class KVCacheManager:
                     self._newly_cached.extend(
                         b.block_id for b in req_blocks[num_cached:num_full_blocks])
         return new_blocks
+
+    def _fits_held_blocks(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether the request's blocks already hold these tokens and they fill
+        no block that is not cached yet (allocate_slots would change nothing)."""
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        end = request.num_computed_tokens + num_new_tokens
+        if req_blocks is None or end > len(req_blocks) * self.block_size:
+            return False
+        num_full_blocks = min(end, request.num_tokens) // self.block_size
+        return (not self.enable_caching
+                or num_full_blocks <= self.num_cached_block.get(request.request_id, 0))
 
     def free(self, request: Request, uncache: bool = False) -> None:
         """Releases the request's blocks in REVERSE order.
