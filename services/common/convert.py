@@ -190,37 +190,41 @@ def engine_core_request_from_proto(msg: pb.EngineCoreRequest) -> EngineCoreReque
 
 
 def engine_core_output_to_proto(o: EngineCoreOutput) -> pb.EngineCoreOutput:
-    msg = pb.EngineCoreOutput(
-        request_id=o.request_id,
-        new_token_ids=o.new_token_ids,
-        new_logprobs=logprobs_to_proto(o.new_logprobs),
-        new_prompt_logprobs=logprobs_to_proto(o.new_prompt_logprobs),
-        finish_reason=int(o.finish_reason) if o.finish_reason is not None else 0,
-        num_cached_tokens=o.num_cached_tokens,
-        finish_message=o.finish_message,
-        status_code=o.status_code,
-    )
+    # One per request per step: only the fields that are set (most outputs are
+    # a request id and one token) are built.
+    msg = pb.EngineCoreOutput(request_id=o.request_id, new_token_ids=o.new_token_ids)
+    if o.new_logprobs is not None:
+        msg.new_logprobs.CopyFrom(logprobs_to_proto(o.new_logprobs))
+    if o.new_prompt_logprobs is not None:
+        msg.new_prompt_logprobs.CopyFrom(logprobs_to_proto(o.new_prompt_logprobs))
+    if o.finish_reason is not None:
+        msg.finish_reason = int(o.finish_reason)
     if isinstance(o.stop_reason, str):
         msg.stop_str = o.stop_reason
     elif o.stop_reason is not None:
         msg.stop_token_id = o.stop_reason
+    if o.num_cached_tokens:
+        msg.num_cached_tokens = o.num_cached_tokens
+    if o.finish_message:
+        msg.finish_message = o.finish_message
+    if o.status_code:
+        msg.status_code = o.status_code
     return msg
 
 
 def engine_core_output_from_proto(msg: pb.EngineCoreOutput) -> EngineCoreOutput:
     which = msg.WhichOneof("stop_reason")
     return EngineCoreOutput(
-        request_id=msg.request_id,
-        new_token_ids=list(msg.new_token_ids),
-        new_logprobs=logprobs_from_proto(msg.new_logprobs, msg.HasField("new_logprobs")),
-        new_prompt_logprobs=logprobs_from_proto(
-            msg.new_prompt_logprobs, msg.HasField("new_prompt_logprobs")
-        ),
-        finish_reason=FinishReason(msg.finish_reason) if msg.finish_reason else None,
-        stop_reason=getattr(msg, which) if which else None,
-        num_cached_tokens=msg.num_cached_tokens,
-        finish_message=msg.finish_message,
-        status_code=msg.status_code,
+        msg.request_id,
+        list(msg.new_token_ids),
+        logprobs_from_proto(msg.new_logprobs, True) if msg.HasField("new_logprobs") else None,
+        (logprobs_from_proto(msg.new_prompt_logprobs, True)
+         if msg.HasField("new_prompt_logprobs") else None),
+        FinishReason(msg.finish_reason) if msg.finish_reason else None,
+        getattr(msg, which) if which else None,
+        msg.num_cached_tokens,
+        msg.finish_message,
+        msg.status_code,
     )
 
 
