@@ -24,9 +24,8 @@ from services.common.validation import (
 )
 from services.frontend.tokenizer import ChatMessage, encode_chat, encode_prompt, tokenize
 
-# A prompt: text, token ids, or chat messages ({"role", "content"} dicts).
-# Text, token ids, chat messages, or vLLM's TextPrompt / TokensPrompt dicts
-# ({"prompt": text} / {"prompt_token_ids": ids}).
+# A prompt: text, token ids, chat messages ({"role", "content"} dicts), or
+# vLLM's TextPrompt / TokensPrompt dicts ({"prompt": text} / {"prompt_token_ids": ids}).
 PromptType = str | Sequence[int] | Sequence[ChatMessage] | Mapping[str, Any]
 _PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")
 # (name, check) of a logits processor's ``validate_params``: raises ValueError
