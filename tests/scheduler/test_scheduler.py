@@ -371,3 +371,36 @@ def test_prompt_logprobs_of_a_prefill_chunk_are_reported():
                                       prompt_logprobs={"a": chunk})
     (out,) = scheduler.update_from_output(scheduler_output, runner_output)[0].outputs
     assert (out.new_token_ids, out.new_prompt_logprobs, out.finished) == ([], chunk, False)
+
+
+def answer(scheduler_output: SchedulerOutput, tokens: dict[str, list[int]]) -> ModelRunnerOutput:
+    req_ids = list(scheduler_output.num_scheduled_tokens)
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[tokens.get(r, []) for r in req_ids],
+                             step_id=scheduler_output.step_id)
+
+
+def test_two_steps_in_flight_fill_placeholders_and_drop_a_late_stops_extra_token():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", [5] * 10))
+    scheduler.add_request(make_request("one", [6] * 10, max_tokens=1))
+    first = scheduler.schedule()  # both prompts: each samples its first token
+    second = scheduler.schedule()  # before first's output: "a" computes its placeholder
+    assert second.num_scheduled_tokens == {"a": 1}  # "one" already samples its last token
+    assert second.scheduled_cached_reqs.num_computed_tokens == [10]
+    outputs = scheduler.update_from_output(first, answer(first, {"a": [EOS], "one": [9]}))
+    by_id = {o.request_id: o for outs in outputs.values() for o in outs.outputs}
+    assert by_id["a"].new_token_ids == [EOS] and by_id["a"].finish_reason == FinishReason.STOP
+    assert by_id["one"].finish_reason == FinishReason.LENGTH
+    # The token "a" sampled after its EOS, a step late, is never shown.
+    assert scheduler.update_from_output(second, answer(second, {"a": [11]})) == {}
+    assert not scheduler.has_unfinished_requests()
+    check_invariants(scheduler)
+
+
+def test_a_token_for_a_prefill_chunk_is_not_taken():
+    scheduler = make_scheduler(long_prefill_token_threshold=4)
+    scheduler.add_request(make_request("a", [5] * 10))
+    chunk = scheduler.schedule()
+    assert chunk.num_scheduled_tokens == {"a": 4}
+    assert scheduler.update_from_output(chunk, answer(chunk, {"a": [9]})) == {}
+    assert scheduler.requests["a"].output_token_ids == []

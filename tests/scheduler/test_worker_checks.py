@@ -75,6 +75,8 @@ def rows(n: int, token_id: int = 1) -> Logprobs:
     (dict(logprobs={"b": rows(1)}), "1 logprobs rows, at most 0 allowed"),
     (dict(logprobs={"a": rows(1, VOCAB)}), "logprobs token id outside"),
     (dict(prompt_logprobs={"b": rows(17)}), "17 prompt_logprobs rows, at most 16 allowed"),
+    (dict(req_ids=["a"], sampled_token_ids=[[7]]),
+     "answered 1 of the 2 requests scheduled in step 5"),
     (dict(failed={"c": failure()}), "failure for request 'c', not scheduled"),
     (dict(failed={"a": failure()}), "both failed and has an output"),
     (dict(req_ids=["a"], sampled_token_ids=[[7]], failed={"b": failure(grpc.StatusCode.OK)}),
