@@ -153,8 +153,7 @@ class KVCacheManager:
 
         if self.enable_caching:
             # Lookahead slots hold no real tokens yet, so they are never cached.
-            num_full_blocks = min(num_computed_tokens + num_new_tokens,
-                                  request.num_tokens) // self.block_size
+            num_full_blocks = self._num_full_blocks(request, num_computed_tokens + num_new_tokens)
             num_cached = self.num_cached_block.get(req_id, 0)
             if num_full_blocks > num_cached:
                 self.block_pool.cache_full_blocks(request, req_blocks, num_cached,
@@ -172,9 +171,13 @@ class KVCacheManager:
         end = request.num_computed_tokens + num_new_tokens
         if req_blocks is None or end > len(req_blocks) * self.block_size:
             return False
-        num_full_blocks = min(end, request.num_tokens) // self.block_size
-        return (not self.enable_caching
-                or num_full_blocks <= self.num_cached_block.get(request.request_id, 0))
+        return (not self.enable_caching or self._num_full_blocks(request, end)
+                <= self.num_cached_block.get(request.request_id, 0))
+
+    def _num_full_blocks(self, request: Request, num_tokens: int) -> int:
+        """Blocks full of known tokens once ``num_tokens`` positions are computed
+        (placeholders for tokens still being sampled fill none)."""
+        return min(num_tokens, request.num_tokens) // self.block_size
 
     def free(self, request: Request, uncache: bool = False) -> None:
         """Releases the request's blocks in REVERSE order.
@@ -252,7 +255,7 @@ class KVCacheManager:
         if not clear and self.store.wants_full_state():
             self.store.apply(self._make_full_delta(step_id))
         elif clear or changes or req_ids:
-            self.store.apply(self._make_delta(changes, req_ids, clear, step_id))
+            self.store.apply(self._make_delta(changes, req_ids, clear, step_id, unwritten))
 
     def _unwritten_block_ids(self) -> set[int]:
         """Cached blocks whose KV a step in flight still writes."""
@@ -262,16 +265,16 @@ class KVCacheManager:
         """A clear delta carrying every cached block and every request's blocks."""
         cached = self.block_pool.cached_block_hash_to_block.values()
         as_new = {block_id: None for same_hash in cached for block_id in same_hash}
-        return self._make_delta(as_new, set(self.req_to_blocks), True, step_id)
+        return self._make_delta(as_new, set(self.req_to_blocks), True, step_id,
+                                self._stored_unwritten)
 
     def _make_delta(self, changes: dict[int, BlockHash | None], req_ids: set[str],
-                    clear: bool, step_id: int) -> KVStateDelta:
-        """Each changed block's new value as the store sees it: a block whose
-        KV is still unwritten counts as not cached."""
+                    clear: bool, step_id: int, unwritten: set[int]) -> KVStateDelta:
+        """Each changed block's new value as the store sees it: a block in
+        ``unwritten`` (KV not written yet) counts as not cached."""
         pool = self.block_pool
         delta = KVStateDelta(self.num_blocks, self.block_size, pool.get_num_free_blocks(), clear,
                              step_id)
-        unwritten = self._unwritten_block_ids()
         changed_hashes: set[BlockHash] = set()
         for block_id, old_hash in changes.items():
             block = pool.blocks[block_id]
