@@ -85,16 +85,20 @@ class PipelinedEngine:
     """A Scheduler and a Worker with up to ``depth`` steps in flight (the session's loop)."""
 
     def __init__(self, worker: Worker, depth: int) -> None:
-        options = SchedulingOptions(limits=LIMITS, async_scheduling=depth > 1)
+        self.depth = depth
+        self.in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
+        self.tokens: dict[str, list[int]] = {}
+        self.finished: set[str] = set()
+        self.max_in_flight = 0
+        self._attach(worker)
+
+    def _attach(self, worker: Worker) -> None:
+        """A fresh scheduler for ``worker``'s pool and a shadow of its empty KV."""
+        options = SchedulingOptions(limits=LIMITS, async_scheduling=self.depth > 1)
         config = make_scheduler_config(options, worker.registration_info(), engine_index=0)
         self.scheduler = Scheduler(config, InMemoryKVStore())
         self.worker = worker
-        self.depth = depth
-        self.in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
         self.shadow = ShadowKV()
-        self.tokens: dict[str, list[int]] = {}
-        self.finished: dict[str, RequestStatus] = {}
-        self.max_in_flight = 0
 
     def add(self, request: EngineCoreRequest | Request) -> None:
         self.tokens.setdefault(request.request_id, [])
@@ -123,7 +127,7 @@ class PipelinedEngine:
             for out in outputs.outputs:
                 self.tokens[out.request_id].extend(out.new_token_ids)
                 if out.finished:
-                    self.finished[out.request_id] = out.finish_reason
+                    self.finished.add(out.request_id)
         check_invariants(self.scheduler)
         self.shadow.check_stored_blocks_written(self.scheduler)
 
@@ -131,9 +135,8 @@ class PipelinedEngine:
         """The worker is gone with its steps in flight: its requests are re-placed
         on a new one (a new scheduler, as the coordinator builds) with their tokens."""
         orphans = sorted(self.scheduler.requests.values())
-        fresh = PipelinedEngine(worker, self.depth)
-        self.scheduler, self.worker, self.shadow = fresh.scheduler, worker, fresh.shadow
         self.in_flight.clear()
+        self._attach(worker)
         for old in orphans:
             self.scheduler.add_request(Request.from_engine_core_request(
                 old, self.scheduler.block_hasher))
@@ -175,7 +178,7 @@ def run(engine: PipelinedEngine, requests: list[EngineCoreRequest], seed: int,
         if chaos and rng.random() < 0.05 and engine.scheduler.running:
             victim = rng.choice(engine.scheduler.running).request_id
             engine.scheduler.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
-            engine.finished[victim] = "abort"
+            engine.finished.add(victim)
         if chaos and make_worker_again is not None and step == 60:
             engine.lose_worker(make_worker_again())
         engine.step()
@@ -210,6 +213,6 @@ def test_async_with_aborts_preemptions_and_a_worker_loss(tiny_model_dir):
     run(engine, requests, seed=7, chaos=True,
         make_worker_again=lambda: simulated_worker(tiny_model_dir, 24))
     assert engine.max_in_flight == 2
-    assert set(engine.finished) == {r.request_id for r in requests}
+    assert engine.finished == {r.request_id for r in requests}
     kv = engine.scheduler.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks - 1  # nothing leaked

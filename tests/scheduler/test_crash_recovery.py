@@ -18,7 +18,6 @@ import os
 import random
 import signal
 
-import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -33,16 +32,10 @@ from services.scheduler.worker_stores import WorkerStores
 from services.worker.config import WorkerConfig
 from services.worker.dirty_blocks import DirtyBlockLog
 from services.worker.worker import Worker
-from tests.grpc_utils import save_tiny_llama
 
 NUM_ROUNDS = 200
 MAX_TOKENS = 6
 LIMITS = SchedulingLimits(max_num_seqs=4, max_num_batched_tokens=64)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
 
 
 def prompt_pool() -> list[list[int]]:

@@ -26,7 +26,6 @@ from tests.grpc_utils import (
     greedy_request,
     health_status,
     reference_tokens,
-    save_tiny_llama,
     start_scheduler,
     start_worker,
     wait_until,
@@ -34,11 +33,6 @@ from tests.grpc_utils import (
 
 SECRET = "s3cret-for-tests"
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
 
 
 @pytest.fixture(scope="module")

@@ -19,17 +19,11 @@ from tests.grpc_utils import (
     get_stats,
     greedy_request,
     reference_tokens,
-    save_tiny_llama,
     start_scheduler,
     start_worker,
     wait_for_workers,
     wait_until,
 )
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
 
 
 @pytest.fixture

@@ -26,7 +26,6 @@ from tests.grpc_utils import (
     health_status,
     reference_tokens,
     reflection_services,
-    save_tiny_llama,
     start_scheduler,
     start_worker,
     wait_for_workers,
@@ -37,11 +36,6 @@ UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
 
 
 def random_prompt(seed: int, length: int) -> list[int]:

@@ -31,7 +31,6 @@ from tests.grpc_utils import (
     get_stats,
     greedy_request,
     reference_tokens,
-    save_tiny_llama,
     start_scheduler,
     start_worker,
     wait_for_workers,
@@ -40,11 +39,6 @@ from tests.grpc_utils import (
 
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 INTERNAL = grpc.StatusCode.INTERNAL.value[0]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
 
 
 def run(coro):

@@ -13,13 +13,7 @@ from tests.worker.helpers import (
     make_worker,
     random_prompts,
     run_engine,
-    save_tiny_model,
 )
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    return save_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

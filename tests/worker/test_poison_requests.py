@@ -23,17 +23,11 @@ from tests.worker.helpers import (
     make_worker,
     random_prompts,
     run_engine,
-    save_tiny_model,
 )
 
 PROCS = "tests.worker.sample.kvmesh_test_logitsprocs"
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 INTERNAL = grpc.StatusCode.INTERNAL.value[0]
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
 
 
 def ordinary_arrivals() -> list:

@@ -15,7 +15,6 @@ from tests.worker.helpers import (
     make_worker,
     random_prompts,
     run_engine,
-    save_tiny_model,
 )
 
 
@@ -46,11 +45,6 @@ def test_latency_model():
         LatencyModel(us_per_token=-1.0)
     with pytest.raises(ValueError, match="simulate runs on the CPU"):
         WorkerConfig(simulate=LatencyModel(), device="cuda")
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
 
 
 def test_simulated_worker_through_the_real_batch(tiny_model_dir):
