@@ -19,6 +19,7 @@ from services.common.limits import SchedulingLimits
 from services.common.registration import WorkerRegistration
 from services.scheduler.config import SchedulingOptions, make_scheduler_config
 from tests.grpc_utils import (
+    LIMITS,
     NUM_KV_BLOCKS,
     FrontendClient,
     get_stats,
@@ -47,23 +48,35 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, timeout=60))
 
 
-def test_greedy_tokens_equal_in_process_engine(model_dir):
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_greedy_tokens_equal_in_process_engine(model_dir, async_scheduling):
     requests = [greedy_request(f"r{i}", random_prompt(i, n), 16) for i, n in enumerate((5, 17, 40, 3))]
     expected = reference_tokens(model_dir, requests)
 
     async def scenario():
-        server = await start_scheduler()
+        server = await start_scheduler(SchedulingOptions(limits=LIMITS,
+                                                         async_scheduling=async_scheduling))
         worker = start_worker(server.address, model_dir, "w0")
         await wait_for_workers(server.address, ["w0"])
         client = FrontendClient(server.address)
+        in_flight = []
+
+        async def watch() -> None:  # how many steps the session has out, as it runs
+            while True:
+                in_flight.extend(len(s.in_flight) for s in server.coordinator.sessions.values())
+                await asyncio.sleep(0.001)
+
+        watcher = asyncio.create_task(watch())
         await client.add(*requests)
         await client.wait_finished(*expected)
+        watcher.cancel()
         await client.close()
         await server.stop(1.0)
         await worker.task
-        return client
+        return client, max(in_flight)
 
-    client = run(scenario())
+    client, max_in_flight = run(scenario())
+    assert max_in_flight == (2 if async_scheduling else 1)
     assert dict(client.tokens) == expected
     assert {r: out.finish_reason for r, out in client.finished.items()} == dict.fromkeys(
         expected, FinishReason.LENGTH)
