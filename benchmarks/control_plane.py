@@ -151,7 +151,11 @@ def step_parts_ms(num_running: int, num_steps: int) -> dict[str, float]:
         received = scheduler_message_from_proto(
             scheduler_pb2.SchedulerMessage.FromString(step_bytes))
         t.append(time.perf_counter())
-        runner_output = worker.execute_model(received)
+        worker_step = worker.prepare_step(received)  # hidden behind the device's previous step
+        t.append(time.perf_counter())
+        worker_step = worker.launch_step(worker_step)
+        t.append(time.perf_counter())
+        runner_output = worker.finish_step(worker_step)
         t.append(time.perf_counter())
         output_bytes = runner_output_message(runner_output).SerializeToString()
         t.append(time.perf_counter())
@@ -161,8 +165,8 @@ def step_parts_ms(num_running: int, num_steps: int) -> dict[str, float]:
         t.append(time.perf_counter())
         decoding = scheduler_output.total_num_scheduled_tokens == num_running
         if step >= 20 and decoding:  # prefill steps and warm-up left out
-            names = ("schedule", "step encode", "step decode", "worker prep", "output encode",
-                     "output decode", "update")
+            names = ("schedule", "step encode", "step decode", "worker prepare", "worker launch",
+                     "worker finish", "output encode", "output decode", "update")
             for name, t0, t1 in zip(names, t, t[1:]):
                 parts.setdefault(name, []).append((t1 - t0) * 1e3)
             sizes = (step_bytes, output_bytes)

@@ -4,16 +4,16 @@ A Scheduler drives one Worker directly, with no gRPC in between: what the
 offline ``LLM`` API and tests use. The caller sees only EngineCoreRequests
 going in and EngineCoreOutputs coming out, exactly as over the wire.
 
-With asynchronous scheduling the worker runs on a thread of its own and the
-next step is scheduled while it computes the current one (vLLM's batch
-queue), as the scheduler service does with a remote worker.
+With asynchronous scheduling the worker runs on a StepPipeline thread and the
+next step is scheduled (and prepared by the worker) while it computes the
+current one (vLLM's batch queue), as with a remote worker.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from services.common.engine import EngineCoreOutputs, EngineCoreRequest
 from services.common.model_runner_output import ModelRunnerOutput
@@ -24,6 +24,7 @@ from services.scheduler.kv_store import KVStore
 from services.scheduler.request import RequestStatus
 from services.scheduler.scheduler import Scheduler
 from services.worker.config import WorkerConfig
+from services.worker.step_pipeline import StepPipeline
 from services.worker.worker import Worker
 
 
@@ -32,7 +33,7 @@ class EngineCore:
 
     Up to ``max_steps_in_flight`` steps are handed to the worker before the
     oldest one's output is applied (2: asynchronous scheduling, the worker on
-    its own thread; 1: synchronous, in the caller's thread).
+    its StepPipeline's thread; 1: synchronous, in the caller's thread).
     """
 
     def __init__(self, scheduler: Scheduler, worker: Worker, max_steps_in_flight: int = 1) -> None:
@@ -40,8 +41,7 @@ class EngineCore:
         self.worker = worker
         self.max_steps_in_flight = max_steps_in_flight
         self._batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
-        self._executor = (ThreadPoolExecutor(1, thread_name_prefix="kvmesh-worker")
-                          if max_steps_in_flight > 1 else None)
+        self._pipeline = StepPipeline(worker) if max_steps_in_flight > 1 else None
 
     @classmethod
     def create(
@@ -99,8 +99,8 @@ class EngineCore:
         return self._update(scheduler_output, runner_output.result())
 
     def _submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        if self._executor is not None:
-            return self._executor.submit(self.worker.execute_model, scheduler_output)
+        if self._pipeline is not None:
+            return self._pipeline.submit(scheduler_output)
         done: Future[ModelRunnerOutput] = Future()
         done.set_result(self.worker.execute_model(scheduler_output))
         return done

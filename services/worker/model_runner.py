@@ -1,11 +1,15 @@
 """Runs one scheduler step on the model (vLLM V1's GPUModelRunner, CPU or CUDA).
 
-Per step: apply the SchedulerOutput diff to the persistent batch
-(``_update_states``), build the flattened inputs in CPU buffers, pad them to
-the CUDA graph the dispatcher picks and copy them to the device once
-(``_prepare_inputs``), run the model, compute logits only at each request's
-last scheduled token, sample, and record the sampled tokens (``execute_model``).
-CUDA graphs are captured once, before the first step (``capture_model``).
+Per step, in three calls so that a step can be prepared while the previous
+one is still on the device (``StepPipeline``): ``prepare_step`` applies the
+SchedulerOutput diff to the persistent batch (``_update_states``), builds the
+flattened inputs in CPU buffers, pads them to the CUDA graph the dispatcher
+picks and copies them to the device once (``_prepare_inputs``);
+``launch_step`` fills in the input ids the previous step had not sampled yet,
+runs the model, computes logits only at each request's last scheduled token,
+and samples; ``finish_step`` waits for the device and records the sampled
+tokens. ``execute_model`` does all three. CUDA graphs are captured once,
+before the first step (``capture_model``).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
@@ -36,6 +40,7 @@ from services.worker.cudagraph import (
 from services.worker.forward_context import BatchDescriptor, ForwardContext
 from services.worker.input_batch import CachedRequestState, InputBatch
 from services.worker.sample import Sampler, SamplerOutput, ThinkingConfig, compute_prompt_logprobs
+from services.worker.step_events import COMPLETED, CudaStepEvent, StepEvent
 
 logger = logging.getLogger(__name__)
 # Query tokens per request in a uniform decode batch (no speculative decoding yet).
@@ -46,6 +51,8 @@ _NONFINITE_FAILURE = RequestFailure.of(
     grpc.StatusCode.INTERNAL,
     "the logits for this request are not finite (NaN, +inf, or every token masked)",
 )
+_EARLIER_FAILURE = RequestFailure.of(
+    grpc.StatusCode.INTERNAL, "the request failed in the previous step on this worker")
 
 
 @dataclass(slots=True)
@@ -59,6 +66,36 @@ class StepInputs:
     num_scheduled_tokens: np.ndarray  # int32 [num_reqs], in batch row order
     cudagraph_runtime_mode: CUDAGraphMode
     batch_descriptor: BatchDescriptor
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    """A step whose batch update and inputs are done (``ModelRunner.prepare_step``).
+
+    ``deferred_*``: the input-id slots that need a token the previous step was
+    still sampling (flat token index, batch row, position), or None.
+    """
+
+    step_id: int
+    failed: dict[str, RequestFailure]
+    inputs: StepInputs | None = None  # None: nothing to run
+    deferred_token_indices: np.ndarray | None = None
+    deferred_rows: np.ndarray | None = None
+    deferred_positions: np.ndarray | None = None
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step on the device (``ModelRunner.launch_step``); rows as at the launch."""
+
+    step_id: int
+    failed: dict[str, RequestFailure]
+    done: StepEvent = COMPLETED
+    req_ids: list[str] = field(default_factory=list)
+    sampler_output: SamplerOutput | None = None  # None: nothing ran
+    finished_prompt: list[bool] = field(default_factory=list)
+    num_logprobs: list[int | None] | None = None  # per row, when any row asked
+    prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)
 
 
 class _StagedBuffer:
@@ -125,8 +162,18 @@ class ModelRunner:
         # Requests still owed prompt logprobs; usually empty, so the per-step
         # check costs nothing for everyone else.
         self._prompt_logprobs_req_ids: set[str] = set()
-        # The requests this step dropped, and why (ModelRunnerOutput.failed).
+        # The requests the step being prepared dropped, and why (ModelRunnerOutput.failed).
         self._failed: dict[str, RequestFailure] = {}
+        # A step is prepared and not launched: its rows must stay where they are.
+        self._prepared_pending = False
+        self._prepared_step_id = -1
+        # fail_step emptied the batch under a prepared step: its launch must fail.
+        self._prepared_broken = False
+        # Requests failed by a step while the next one, already prepared, held their row.
+        self._doomed: set[str] = set()
+        # Recorded once a step's inputs are on their way to the device; the next
+        # prepare_step waits for it before it overwrites the staging buffers.
+        self._inputs_copied = torch.cuda.Event() if self.device.type == "cuda" else None
         self.input_ids = _StagedBuffer(max_num_batched_tokens, torch.int64, self.device)
         self.positions = _StagedBuffer(max_num_batched_tokens, torch.int64, self.device)
         self.query_start_loc = _StagedBuffer(max_num_reqs + 1, torch.int32, self.device)
@@ -273,12 +320,18 @@ class ModelRunner:
         return reqs_to_add
 
     # ------------------------------------------------------------------ inputs
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
-        """Flattened input ids, positions and attention metadata for the batch.
+    def _prepare_inputs(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[StepInputs, tuple[np.ndarray, np.ndarray, np.ndarray] | tuple[()]]:
+        """Flattened input ids, positions and attention metadata for the batch, and
+        the input-id slots still waiting for the previous step's sample.
 
         Built with numpy in the CPU staging buffers, padded to the CUDA graph
         the dispatcher picks (nothing to pad when it picks NONE), then each
-        buffer is copied to the device once.
+        buffer is copied to the device once. A slot waits (flat index, row,
+        position returned) when its position is past the row's known tokens:
+        with asynchronous scheduling the previous step, still running,
+        samples that token.
         """
         batch = self.input_batch
         num_reqs = batch.num_reqs
@@ -303,6 +356,10 @@ class ModelRunner:
         torch.index_select(
             batch.token_ids_cpu.view(-1), 0, token_indices, out=self.input_ids.cpu[:num_tokens]
         )
+        deferred: tuple[np.ndarray, np.ndarray, np.ndarray] | tuple[()] = ()
+        waiting = np.flatnonzero(positions_np >= batch.num_tokens[req_indices])
+        if waiting.size:
+            deferred = (waiting, req_indices[waiting], positions_np[waiting].copy())
         self.query_start_loc.np[0] = 0
         self.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens
         seq_lens_np = self.seq_lens.np[:num_reqs]
@@ -317,8 +374,9 @@ class ModelRunner:
             num_reqs, num_tokens, max_query_len, int(seq_lens_np.max()), runtime_mode, key
         )
         logits_indices = attn_metadata.query_start_loc[1 : num_reqs + 1].to(torch.int64) - 1
-        return StepInputs(input_ids, positions, attn_metadata, logits_indices, num_scheduled,
-                           runtime_mode, key)
+        inputs = StepInputs(input_ids, positions, attn_metadata, logits_indices, num_scheduled,
+                            runtime_mode, key)
+        return inputs, deferred
 
     def _pad_and_copy_inputs(
         self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int,
@@ -415,22 +473,94 @@ class ModelRunner:
         sample is discarded); the others get their sampled token, which is also
         appended to the request's token ids. A request the worker cannot serve
         (refused by the batch or a logits processor, logits not finite) is
-        dropped and reported in ``failed`` instead; the others go on.
+        dropped and reported in ``failed`` instead; the others go on. The same
+        as ``finish_step(launch_step(prepare_step(scheduler_output)))``.
         """
+        return self.finish_step(self.launch_step(self.prepare_step(scheduler_output)))
+
+    @torch.inference_mode()
+    def prepare_step(self, scheduler_output: SchedulerOutput) -> PreparedStep:
+        """The host's share of a step: the batch update and the inputs, copied to the device.
+
+        May run while the previous step is still on the device (launched, not
+        finished): the tokens that step samples are then not known yet, and
+        the input ids that need them are filled in by ``launch_step``, which
+        must come after the previous step's ``finish_step``.
+        """
+        if self._inputs_copied is not None:
+            # The previous step's copies must have read the staging buffers.
+            self._inputs_copied.synchronize()
+        self._prepared_pending = True
+        self._prepared_step_id = scheduler_output.step_id
         self._failed = {}
         self._update_states(scheduler_output)
         num_reqs = self.input_batch.num_reqs
         if num_reqs == 0 or scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(step_id=scheduler_output.step_id, failed=self._failed)
-        inputs = self._prepare_inputs(scheduler_output)
+            return PreparedStep(scheduler_output.step_id, self._failed)
+        inputs, deferred = self._prepare_inputs(scheduler_output)
+        return PreparedStep(scheduler_output.step_id, self._failed, inputs, *deferred)
+
+    @torch.inference_mode()
+    def launch_step(self, prepared: PreparedStep) -> LaunchedStep:
+        """Starts the forward pass and the sampler of a prepared step.
+
+        On a GPU this returns while the device still works; on the CPU the
+        work is done when it returns. ``finish_step`` collects the output.
+        """
+        self._prepared_pending = False
+        if self._prepared_broken:
+            self._prepared_broken = False
+            raise RuntimeError("an earlier step failed after this one was prepared")
+        inputs = prepared.inputs
+        if inputs is None:
+            return LaunchedStep(prepared.step_id, prepared.failed)
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        self._fill_deferred_input_ids(prepared, inputs)
+        if self._inputs_copied is not None:
+            self._inputs_copied.record()
         sampler_output, prompt_logprobs = self._run_model(inputs, num_reqs)
-        output = self._record_samples(sampler_output)
-        for req_id in self._failed:
-            prompt_logprobs.pop(req_id, None)
-        output.prompt_logprobs = prompt_logprobs
-        output.step_id = scheduler_output.step_id
-        output.failed = self._failed
+        # seq_lens (computed + scheduled) holds this step's values until the next prepare_step.
+        finished_prompt = (self.seq_lens.np[:num_reqs] >= batch.num_tokens[:num_reqs]).tolist()
+        num_logprobs = None
+        if sampler_output.logprobs_tensors is not None:
+            num_logprobs = [self.requests[req_id].sampling_params.logprobs
+                            for req_id in batch.req_ids[:num_reqs]]
+        return LaunchedStep(
+            prepared.step_id, prepared.failed, self._step_event(),
+            req_ids=list(batch.req_ids[:num_reqs]), sampler_output=sampler_output,
+            finished_prompt=finished_prompt, num_logprobs=num_logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    @torch.inference_mode()
+    def finish_step(self, launched: LaunchedStep) -> ModelRunnerOutput:
+        """Waits for a launched step and records its samples (the step's one host sync)."""
+        output = ModelRunnerOutput(step_id=launched.step_id, failed=launched.failed)
+        if launched.sampler_output is not None:
+            launched.done.synchronize()
+            self._record_samples(launched, output)
+        for req_id in launched.failed:
+            launched.prompt_logprobs.pop(req_id, None)
+        output.prompt_logprobs = launched.prompt_logprobs
         return output
+
+    def _fill_deferred_input_ids(self, prepared: PreparedStep, inputs: StepInputs) -> None:
+        """Puts the previous step's samples, recorded since ``prepared`` was built, into
+        its input ids. A request whose sample was not kept (it failed) gets id 0: its
+        row is computed and then failed (``_doomed``)."""
+        if prepared.deferred_token_indices is None:
+            return
+        batch = self.input_batch
+        rows, positions = prepared.deferred_rows, prepared.deferred_positions
+        known = positions < batch.num_tokens[rows]
+        self.input_ids.np[prepared.deferred_token_indices] = np.where(
+            known, batch.token_ids_np[rows, positions], 0)
+        inputs.input_ids = self.input_ids.copy_to_device(inputs.input_ids.shape[0])
+
+    def _step_event(self) -> StepEvent:
+        """When the step just launched is done on the device."""
+        return CudaStepEvent() if self.device.type == "cuda" else COMPLETED
 
     def _run_model(
         self, inputs: StepInputs, num_reqs: int
@@ -449,16 +579,22 @@ class ModelRunner:
         """Drops every request of a step that raised, and empties the batch.
 
         The step's requests fail with INTERNAL; those held here but not in the
-        step keep their state and re-enter the batch when next scheduled.
+        step keep their state and re-enter the batch when next scheduled. A
+        step already prepared on the emptied batch fails when launched.
         """
         message = f"the worker failed to run the step: {error!r}"
         failure = RequestFailure.of(grpc.StatusCode.INTERNAL, message)
-        for req_id in scheduler_output.finished_req_ids:
+        for req_id in scheduler_output.finished_req_ids | self._doomed:
             self.requests.pop(req_id, None)
         failed = {req_id: failure for req_id in scheduler_output.num_scheduled_tokens}
         for req_id in failed:
             self.requests.pop(req_id, None)
             self._prompt_logprobs_req_ids.discard(req_id)
+        self._doomed.clear()
+        # A later step prepared on the batch just emptied cannot run.
+        self._prepared_broken = (self._prepared_pending
+                                 and self._prepared_step_id != scheduler_output.step_id)
+        self._prepared_pending = False
         self.input_batch.reset()
         return ModelRunnerOutput(step_id=scheduler_output.step_id, failed=failed)
 
@@ -488,43 +624,61 @@ class ModelRunner:
         logits[torch.from_numpy(np.flatnonzero(~sampled)).to(self.device)] = 0.0
         return logits
 
-    def _record_samples(self, sampler_output: SamplerOutput) -> ModelRunnerOutput:
+    def _record_samples(self, launched: LaunchedStep, out: ModelRunnerOutput) -> None:
         """Appends each sample whose request is past its prompt; the rest are discarded.
 
         A row the sampler flagged (logits not finite, or a processor failed
-        it) fails its request instead: the sample is never kept.
+        it) fails its request instead: the sample is never kept. Requests are
+        found by id, as the batch may have changed since the launch.
         """
-        batch = self.input_batch
-        num_reqs = batch.num_reqs
+        sampler_output = launched.sampler_output
+        assert sampler_output is not None
         sampled_t = sampler_output.sampled_token_ids
         if sampler_output.nonfinite_rows is not None:
             sampled_t = sampled_t.masked_fill(sampler_output.nonfinite_rows, _NONFINITE)
         sampled = sampled_t.tolist()  # the step's one device sync
         row_failures = sampler_output.row_failures
-        # seq_lens (computed + scheduled) still holds this step's values.
-        finished_prompt = (self.seq_lens.np[:num_reqs] >= batch.num_tokens[:num_reqs]).tolist()
-        out = ModelRunnerOutput()
-        has_logprobs = sampler_output.logprobs_tensors is not None
-        for row, req_id in enumerate(list(batch.req_ids)):
-            assert req_id is not None  # dense after condense
+        for row, req_id in enumerate(launched.req_ids):
             token_id = sampled[row]
+            if req_id in self._doomed:
+                self._fail_request(req_id, _EARLIER_FAILURE, launched.failed)
+                continue
             if token_id == _NONFINITE or row in row_failures:
-                self._failed[req_id] = row_failures.get(row) or _NONFINITE_FAILURE
-                self._drop_request(req_id)
+                self._fail_request(req_id, row_failures.get(row) or _NONFINITE_FAILURE,
+                                   launched.failed)
                 continue
             out.req_ids.append(req_id)
-            if not finished_prompt[row]:
+            if not launched.finished_prompt[row]:
                 out.sampled_token_ids.append([])
                 continue
-            batch.append_token(row, token_id)
+            self._append_token(req_id, token_id)
             out.sampled_token_ids.append([token_id])
-            num_logprobs = self.requests[req_id].sampling_params.logprobs if has_logprobs else None
+            num_logprobs = launched.num_logprobs[row] if launched.num_logprobs else None
             if num_logprobs is not None:
                 # -1 (whole vocabulary) keeps every column the batch computed.
                 out.logprobs[req_id] = sampler_output.logprobs_for_row(
                     row, num_logprobs if num_logprobs >= 0 else None
                 )
-        return out
+
+    def _append_token(self, req_id: str, token_id: int) -> None:
+        """Records a sample; a request that left the batch since keeps it in its state."""
+        row = self.input_batch.req_id_to_index.get(req_id)
+        if row is not None:
+            self.input_batch.append_token(row, token_id)
+        elif (state := self.requests.get(req_id)) is not None:
+            state.output_token_ids.append(token_id)
+
+    def _fail_request(self, req_id: str, failure: RequestFailure,
+                      failed: dict[str, RequestFailure]) -> None:
+        """Reports a request failed and drops it, unless the next step, already
+        prepared, holds its row: that step runs it and fails it again (the
+        scheduler, which scheduled it there, expects an answer)."""
+        failed[req_id] = failure
+        if self._prepared_pending and req_id in self.input_batch.req_id_to_index:
+            self._doomed.add(req_id)
+        else:
+            self._doomed.discard(req_id)
+            self._drop_request(req_id)
 
     def _compute_prompt_logprobs(
         self, hidden_states: torch.Tensor, inputs: StepInputs

@@ -5,8 +5,9 @@
 Order matters: the model is loaded and the KV cache sized FIRST, because the
 registration carries the number of KV blocks. Then the worker dials the
 scheduler (waiting for it to come up), registers, and answers each
-SchedulerOutput with a ModelRunnerOutput; the model runs in a thread so the
-event loop keeps serving keepalives and health checks meanwhile. If the
+SchedulerOutput with a ModelRunnerOutput; the steps run on the StepPipeline's
+thread (the next one prepared while this one computes) so the event loop
+keeps reading steps, writing outputs and serving health checks meanwhile. If the
 scheduler goes away the worker forgets its requests, keeps its KV memory, and
 dials again; it exits on Drain or SIGTERM / SIGINT (after the step in flight).
 """
@@ -15,9 +16,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import logging
-import time
 import uuid
 from collections.abc import Awaitable
 from typing import TypeVar
@@ -44,6 +45,7 @@ from services.common.security import (
     secret_metadata,
     tls_from_args,
 )
+from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import SchedulerOutput
 from services.worker.config import (
     LatencyModel,
@@ -54,6 +56,7 @@ from services.worker.config import (
 from services.worker.dirty_blocks import DirtyBlockLog
 from services.worker.metrics import WorkerMetrics
 from services.worker.sample import ThinkingConfig
+from services.worker.step_pipeline import StepPipeline
 from services.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -95,6 +98,7 @@ class WorkerService:
         if config.metrics_port is not None:
             self.metrics_server = MetricsServer(self.metrics.registry, config.health_host,
                                                 config.metrics_port)
+        self.pipeline: StepPipeline | None = None
         self._stop = asyncio.Event()
         self._stop_waiter: asyncio.Future[bool] | None = None
 
@@ -113,6 +117,7 @@ class WorkerService:
                         self.config.worker.model)
             num_blocks = await asyncio.to_thread(self._load)
             self.metrics.bind(self.worker.model_name, num_blocks)
+            self.pipeline = StepPipeline(self.worker, self._observe_step)
             logger.info("event=worker_loaded worker=%s num_blocks=%d", self.config.worker_id, num_blocks)
             async with aio_channel(self.config.scheduler_address, self.config.tls,
                                    CHANNEL_OPTIONS) as channel:
@@ -122,11 +127,16 @@ class WorkerService:
             raise
         finally:
             self._stop_waiter.cancel()
+            if self.pipeline is not None:
+                await asyncio.to_thread(self.pipeline.close)
             if health_server is not None:
                 await health_server.stop(None)
             if self.metrics_server is not None:
                 await self.metrics_server.stop()
         logger.info("event=worker_stopped worker=%s", self.config.worker_id)
+
+    def _observe_step(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+        self.metrics.observe_step(scheduler_output.total_num_scheduled_tokens, seconds)
 
     def _load(self) -> int:
         self.worker.load_model()
@@ -155,7 +165,7 @@ class WorkerService:
             if registered is None:
                 return  # drained or stopped
             await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-            self._forget_requests()
+            await self._forget_requests()
             backoff_s = _MIN_BACKOFF_S if registered else min(backoff_s * 2, _MAX_BACKOFF_S)
             try:
                 await self._until_stopped(asyncio.sleep(backoff_s))
@@ -163,48 +173,46 @@ class WorkerService:
                 return
 
     async def _session(self, stub: scheduler_pb2_grpc.EngineCoreStub) -> bool | None:
-        """One WorkerStream. None: leave for good (Drain or stop); else whether it had registered."""
+        """One WorkerStream. None: leave for good (Drain or stop); else whether it had registered.
+
+        Steps go to the pipeline as they arrive (with asynchronous scheduling
+        the next one comes while this one computes, and is prepared
+        meanwhile); a writer task sends their outputs back in order.
+        """
         metadata = ((KV_CACHE_ID_METADATA_KEY, self.kv_cache_id),
                     *secret_metadata(self.config.cluster_secret))
         call = stub.WorkerStream(metadata=metadata, wait_for_ready=True)
-        assert self._stop_waiter is not None, "only inside run()"
+        assert self._stop_waiter is not None and self.pipeline is not None, "only inside run()"
         # Cancelling a pending read would cancel the whole call, so on stop()
         # the read stays pending and _close finishes it after half-closing.
         pending_read: asyncio.Future | None = None
+        outputs: asyncio.Queue[asyncio.Future[ModelRunnerOutput] | None] = asyncio.Queue()
+        writer: asyncio.Future[None] | None = None
         registered = False
         try:
             await self._until_stopped(self._register(call), self.config.connect_timeout_s)
             registered = True
+            writer = asyncio.ensure_future(_write_outputs(call, outputs))
             await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
             while True:
                 if pending_read is None:
                     pending_read = asyncio.ensure_future(_read_step(call))
-                await asyncio.wait((pending_read, self._stop_waiter),
+                await asyncio.wait((pending_read, self._stop_waiter, writer),
                                    return_when=asyncio.FIRST_COMPLETED)
+                if writer.done():
+                    writer.result()  # raises what ended it
                 if self._stop_waiter.done():
-                    # stop(): leave between steps, also when the next one (sent
-                    # ahead by asynchronous scheduling) is already here.
+                    # stop(): leave once the steps already running are answered,
+                    # without the next one even when it is already here.
+                    await _finish_writing(outputs, writer)
                     return None
                 scheduler_output, pending_read = pending_read.result(), None
                 if scheduler_output is None:
+                    await _finish_writing(outputs, writer)
                     logger.info("event=worker_drained worker=%s", self.config.worker_id)
                     return None
                 self.dirty_blocks.record(scheduler_output)
-                start = time.monotonic()
-                step = asyncio.ensure_future(
-                    asyncio.to_thread(self.worker.execute_model, scheduler_output))
-                # With asynchronous scheduling the next step is already on its
-                # way: receive and decode it while this one computes.
-                pending_read = asyncio.ensure_future(_read_step(call))
-                runner_output = await step
-                self.metrics.observe_step(scheduler_output.total_num_scheduled_tokens,
-                                          time.monotonic() - start)
-                try:
-                    await call.write(runner_output_message(runner_output))
-                except (asyncio.InvalidStateError, grpc.aio.AioRpcError) as e:
-                    # The scheduler ended the RPC while the step ran (with the
-                    # next read pending, grpc reports it as a failed write).
-                    raise _SchedulerLost(f"the stream finished during a step: {e!r}") from e
+                outputs.put_nowait(asyncio.wrap_future(self.pipeline.submit(scheduler_output)))
         except _Stopped:
             return None
         except _SchedulerLost as e:
@@ -217,6 +225,12 @@ class WorkerService:
                            self.config.worker_id, e.code().name, e.details())
             return registered
         finally:
+            if writer is not None and not writer.done():
+                # The session ended early: its outputs go nowhere. The pipeline
+                # still runs its steps, before any step submitted later.
+                writer.cancel()
+                with contextlib.suppress(asyncio.CancelledError, _SchedulerLost):
+                    await writer
             if registered:
                 await _close(call, pending_read)
             else:  # never got through: nothing to close cleanly
@@ -248,15 +262,16 @@ class WorkerService:
         raise TimeoutError(f"scheduler at {self.config.scheduler_address} did not answer "
                            f"within connect_timeout_s={timeout_s}")
 
-    def _forget_requests(self) -> None:
+    async def _forget_requests(self) -> None:
         """Drops every request the lost scheduler placed here; the KV memory stays.
 
         The next scheduler knows none of them, so a step that lists them all as
         finished is the worker's own way to clear its persistent batch.
         """
         runner = self.worker.model_runner
-        if runner is not None and runner.requests:
-            self.worker.execute_model(SchedulerOutput(finished_req_ids=set(runner.requests)))
+        if runner is not None and runner.requests and self.pipeline is not None:
+            step = SchedulerOutput(finished_req_ids=set(runner.requests))
+            await asyncio.wrap_future(self.pipeline.submit(step))
 
 
 async def _close(call: grpc.aio.StreamStreamCall, pending_read: asyncio.Future | None) -> None:
@@ -270,6 +285,26 @@ async def _close(call: grpc.aio.StreamStreamCall, pending_read: asyncio.Future |
         pass
     finally:
         call.cancel()
+
+
+async def _write_outputs(call: grpc.aio.StreamStreamCall,
+                         outputs: asyncio.Queue[asyncio.Future[ModelRunnerOutput] | None]) -> None:
+    """Sends each step's output as its future completes, in order, until None."""
+    while (future := await outputs.get()) is not None:
+        runner_output = await future
+        try:
+            await call.write(runner_output_message(runner_output))
+        except (asyncio.InvalidStateError, grpc.aio.AioRpcError) as e:
+            # The scheduler ended the RPC while the step ran (with the next
+            # read pending, grpc reports it as a failed write).
+            raise _SchedulerLost(f"the stream finished during a step: {e!r}") from e
+
+
+async def _finish_writing(outputs: asyncio.Queue[asyncio.Future[ModelRunnerOutput] | None],
+                          writer: asyncio.Future[None]) -> None:
+    """Lets the writer send what is queued, then waits for it to end."""
+    outputs.put_nowait(None)
+    await writer
 
 
 async def _read_step(call: grpc.aio.StreamStreamCall) -> SchedulerOutput | None:

@@ -2,10 +2,12 @@
 
 ``--simulate`` keeps the whole worker (service, registration, persistent
 batch, block table, slot mapping, input preparation, the step protocol) and
-replaces the forward pass and the sampler: the step sleeps as long as
-``LatencyModel`` says a fast accelerator would take, so the CPU stays free
-for the control plane, and each request's next token is a function of its
-last token and its position. Outputs are then the same in every mode and
+replaces the forward pass and the sampler: a launched step is done on its
+"device" as long after its launch as ``LatencyModel`` says a fast
+accelerator would take, and collecting its output waits until then, so the
+CPU stays free for the control plane (or for preparing the next step), and
+each request's next token is a function of its last token and its position.
+Outputs are then the same in every mode and
 run, and the control plane's cost shows as it would next to a GPU (the idea
 of NVIDIA Dynamo's mock engine). Logprobs are not simulated: none are
 returned. A measurement tool only; never a stand-in for the real worker in
@@ -25,6 +27,7 @@ from services.common.engine import Logprobs
 from services.worker.config import LatencyModel, ModelConfig
 from services.worker.model_runner import ModelRunner, StepInputs
 from services.worker.sample import SamplerOutput
+from services.worker.step_events import DeadlineEvent, StepEvent
 
 # SplitMix64's multipliers: every bit of (last token, position) reaches the result.
 _MIX_1 = np.uint64(0x9E3779B97F4A7C15)
@@ -55,6 +58,7 @@ class SimulatedModelRunner(ModelRunner):
 
     def __init__(self, latency: LatencyModel, model_config: ModelConfig, **kwargs) -> None:
         self.latency = latency
+        self._done_at = 0.0
         super().__init__(nn.Module(), model_config, [], **kwargs)
 
     def _init_logits_buffers(self, max_num_reqs: int, model_config: ModelConfig) -> None:
@@ -63,16 +67,17 @@ class SimulatedModelRunner(ModelRunner):
     def _run_model(
         self, inputs: StepInputs, num_reqs: int
     ) -> tuple[SamplerOutput, dict[str, Logprobs]]:
-        start = time.perf_counter()
         # As in a real step: the processors follow the batch's adds, removals and moves.
         self.input_batch.sampling_state.make_sampling_metadata(num_reqs)
         last = self.query_start_loc.np[1 : num_reqs + 1] - 1
         mc = self.model_config
         token_ids = simulated_token_ids(self.input_ids.np[last], self.positions.np[last],
                                         mc.vocab_size, mc.eos_token_ids)
-        wait = self.latency.step_seconds(int(inputs.num_scheduled_tokens.sum()),
-                                         int(self.seq_lens.np[:num_reqs].sum()))
-        remaining = wait - (time.perf_counter() - start)
-        if remaining > 0:
-            time.sleep(remaining)  # the accelerator's time: the CPU is free meanwhile
+        # The accelerator starts now (it is idle: the previous step was finished
+        # before this launch) and the CPU is free until finish_step waits.
+        self._done_at = time.perf_counter() + self.latency.step_seconds(
+            int(inputs.num_scheduled_tokens.sum()), int(self.seq_lens.np[:num_reqs].sum()))
         return SamplerOutput(torch.from_numpy(token_ids)), {}
+
+    def _step_event(self) -> StepEvent:
+        return DeadlineEvent(self._done_at)

@@ -4,12 +4,15 @@ The gRPC service wraps this class; tests and benchmarks drive it in-process.
 Lifecycle: ``load_model()`` -> ``initialize_kv_cache()`` (returns the number of
 KV blocks, null block included, that the scheduler's pool must use; captures
 CUDA graphs, or compiles the CPU pieces through warm-up steps) ->
-``execute_model(scheduler_output)`` once per step.
+``execute_model(scheduler_output)`` once per step, or its three parts
+(``prepare_step``, ``launch_step``, ``finish_step``) as ``StepPipeline`` calls
+them to prepare a step while the previous one is on the device.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,8 +27,9 @@ from services.worker.compilation import use_compile_cache
 from services.worker.config import ModelConfig, WorkerConfig, parse_kv_cache_dtype
 from services.worker.kv_cache import KVCacheSpec, allocate_kv_caches, determine_num_blocks
 from services.worker.model_loader import load_model
-from services.worker.model_runner import ModelRunner
+from services.worker.model_runner import LaunchedStep, ModelRunner, PreparedStep
 from services.worker.simulated import SimulatedModelRunner
+from services.worker.step_events import COMPLETED, StepEvent
 from services.worker.warmup import warm_up_model
 
 logger = logging.getLogger(__name__)
@@ -34,6 +38,21 @@ MAX_CONSECUTIVE_FAILED_STEPS = 3
 # The simulated worker's pool unless --num-kv-blocks says otherwise: 262,144
 # tokens, enough for 1,024 requests of 256 tokens.
 SIMULATED_NUM_KV_BLOCKS = 16_384
+
+
+@dataclass(slots=True)
+class WorkerStep:
+    """One step between ``Worker.prepare_step`` and ``Worker.finish_step``."""
+
+    scheduler_output: SchedulerOutput
+    prepared: PreparedStep | None = None
+    launched: LaunchedStep | None = None
+    error: Exception | None = None  # raised by a part of the step; finish_step fails it
+
+    @property
+    def done(self) -> StepEvent:
+        """When the step's device work ends (at once when it never reached the device)."""
+        return self.launched.done if self.launched is not None else COMPLETED
 
 
 class Worker:
@@ -123,22 +142,58 @@ class Worker:
         The error is raised instead when the device itself failed (its error
         is sticky) or after MAX_CONSECUTIVE_FAILED_STEPS in a row: then only a
         restart helps, and the scheduler re-places the requests elsewhere.
+        The same as ``finish_step(launch_step(prepare_step(scheduler_output)))``.
         """
-        if self.model_runner is None:
-            raise RuntimeError("execute_model() needs initialize_kv_cache() first")
+        return self.finish_step(self.launch_step(self.prepare_step(scheduler_output)))
+
+    def prepare_step(self, scheduler_output: SchedulerOutput) -> WorkerStep:
+        """ModelRunner.prepare_step; an error is kept for finish_step to report."""
+        runner = self._runner()
+        step = WorkerStep(scheduler_output)
         try:
-            output = self.model_runner.execute_model(scheduler_output)
-        except torch.AcceleratorError:
-            raise
+            step.prepared = runner.prepare_step(scheduler_output)
         except Exception as e:
-            self.num_consecutive_failed_steps += 1
-            if self.num_consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
-                raise
-            logger.exception("event=step_failed step_id=%d num_requests=%d",
-                             scheduler_output.step_id, len(scheduler_output.num_scheduled_tokens))
-            return self.model_runner.fail_step(scheduler_output, e)
-        self.num_consecutive_failed_steps = 0
-        return output
+            step.error = e
+        return step
+
+    def launch_step(self, step: WorkerStep) -> WorkerStep:
+        """ModelRunner.launch_step, unless the step already failed; an error is kept."""
+        runner = self._runner()
+        if step.error is None:
+            assert step.prepared is not None
+            try:
+                step.launched = runner.launch_step(step.prepared)
+            except Exception as e:
+                step.error = e
+        return step
+
+    def finish_step(self, step: WorkerStep) -> ModelRunnerOutput:
+        """The step's output: ModelRunner.finish_step, or every request of the step
+        failed when any part of it raised (see ``execute_model`` for when it raises)."""
+        runner = self._runner()
+        if step.error is None:
+            assert step.launched is not None
+            try:
+                output = runner.finish_step(step.launched)
+            except Exception as e:
+                step.error = e
+            else:
+                self.num_consecutive_failed_steps = 0
+                return output
+        error = step.error
+        self.num_consecutive_failed_steps += 1
+        if (isinstance(error, torch.AcceleratorError)
+                or self.num_consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS):
+            raise error
+        so = step.scheduler_output
+        logger.error("event=step_failed step_id=%d num_requests=%d", so.step_id,
+                     len(so.num_scheduled_tokens), exc_info=error)
+        return runner.fail_step(so, error)
+
+    def _runner(self) -> ModelRunner:
+        if self.model_runner is None:
+            raise RuntimeError("steps need initialize_kv_cache() first")
+        return self.model_runner
 
     def registration_info(self, worker_id: str = "") -> WorkerRegistration:
         """What this worker registers with the scheduler as ``worker_id``."""

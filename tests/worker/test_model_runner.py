@@ -99,11 +99,10 @@ def test_prepare_inputs_exact(tiny_model_dir):
         scheduled_cached_reqs=CachedRequestData(["a"], [False], [[]], [20]),
         num_scheduled_tokens={"a": 1, "c": 4}, total_num_scheduled_tokens=5, step_id=2,
     )
-    runner._update_states(step2)
+    inputs = runner.prepare_step(step2).inputs
     batch = runner.input_batch
     assert batch.req_ids == ["a", "c"]
     assert "b" in runner.requests  # out of the batch, state kept
-    inputs = runner._prepare_inputs(step2)
     md = inputs.attn_metadata
     assert inputs.positions.tolist() == [20, 16, 17, 18, 19]
     assert inputs.input_ids.tolist() == [a_token, 26, 27, 28, 29]
@@ -119,9 +118,9 @@ def test_prepare_inputs_exact(tiny_model_dir):
         scheduled_cached_reqs=CachedRequestData(["b"], [True], [[3]], [0]),
         num_scheduled_tokens={"b": 4}, total_num_scheduled_tokens=4, step_id=3,
     )
-    runner._update_states(step3)
+    runner.finish_step(runner.launch_step(runner.prepare_step(step2)))
+    inputs = runner.prepare_step(step3).inputs
     assert batch.req_ids == ["b"]
-    inputs = runner._prepare_inputs(step3)
     assert inputs.input_ids.tolist() == [7, 8, 9, b_token]
     assert inputs.attn_metadata.slot_mapping.tolist() == [48, 49, 50, 51]
 
