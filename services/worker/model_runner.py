@@ -73,7 +73,7 @@ class PreparedStep:
     """A step whose batch update and inputs are done (``ModelRunner.prepare_step``).
 
     ``deferred_*``: the input-id slots that need a token the previous step was
-    still sampling (flat token index, batch row, position), or None.
+    still sampling (flat token index, batch row), or None.
     """
 
     step_id: int
@@ -81,7 +81,6 @@ class PreparedStep:
     inputs: StepInputs | None = None  # None: nothing to run
     deferred_token_indices: np.ndarray | None = None
     deferred_rows: np.ndarray | None = None
-    deferred_positions: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -322,14 +321,14 @@ class ModelRunner:
     # ------------------------------------------------------------------ inputs
     def _prepare_inputs(
         self, scheduler_output: SchedulerOutput
-    ) -> tuple[StepInputs, tuple[np.ndarray, np.ndarray, np.ndarray] | tuple[()]]:
+    ) -> tuple[StepInputs, np.ndarray | None, np.ndarray | None]:
         """Flattened input ids, positions and attention metadata for the batch, and
         the input-id slots still waiting for the previous step's sample.
 
         Built with numpy in the CPU staging buffers, padded to the CUDA graph
         the dispatcher picks (nothing to pad when it picks NONE), then each
-        buffer is copied to the device once. A slot waits (flat index, row,
-        position returned) when its position is past the row's known tokens:
+        buffer is copied to the device once. A slot waits (flat index and row
+        returned, else None) when its position is past the row's known tokens:
         with asynchronous scheduling the previous step, still running,
         samples that token.
         """
@@ -356,10 +355,7 @@ class ModelRunner:
         torch.index_select(
             batch.token_ids_cpu.view(-1), 0, token_indices, out=self.input_ids.cpu[:num_tokens]
         )
-        deferred: tuple[np.ndarray, np.ndarray, np.ndarray] | tuple[()] = ()
         waiting = np.flatnonzero(positions_np >= batch.num_tokens[req_indices])
-        if waiting.size:
-            deferred = (waiting, req_indices[waiting], positions_np[waiting].copy())
         self.query_start_loc.np[0] = 0
         self.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens
         seq_lens_np = self.seq_lens.np[:num_reqs]
@@ -376,7 +372,9 @@ class ModelRunner:
         logits_indices = attn_metadata.query_start_loc[1 : num_reqs + 1].to(torch.int64) - 1
         inputs = StepInputs(input_ids, positions, attn_metadata, logits_indices, num_scheduled,
                             runtime_mode, key)
-        return inputs, deferred
+        if not waiting.size:
+            return inputs, None, None
+        return inputs, waiting, req_indices[waiting]
 
     def _pad_and_copy_inputs(
         self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int,
@@ -497,8 +495,8 @@ class ModelRunner:
         num_reqs = self.input_batch.num_reqs
         if num_reqs == 0 or scheduler_output.total_num_scheduled_tokens == 0:
             return PreparedStep(scheduler_output.step_id, self._failed)
-        inputs, deferred = self._prepare_inputs(scheduler_output)
-        return PreparedStep(scheduler_output.step_id, self._failed, inputs, *deferred)
+        inputs, waiting, waiting_rows = self._prepare_inputs(scheduler_output)
+        return PreparedStep(scheduler_output.step_id, self._failed, inputs, waiting, waiting_rows)
 
     @torch.inference_mode()
     def launch_step(self, prepared: PreparedStep) -> LaunchedStep:
@@ -549,12 +547,14 @@ class ModelRunner:
         """Puts the previous step's samples, recorded since ``prepared`` was built, into
         its input ids. A request whose sample was not kept (it failed) gets id 0: its
         row is computed and then failed (``_doomed``)."""
-        if prepared.deferred_token_indices is None:
+        indices, rows = prepared.deferred_token_indices, prepared.deferred_rows
+        if indices is None:
             return
         batch = self.input_batch
-        rows, positions = prepared.deferred_rows, prepared.deferred_positions
+        # The staging positions hold this step's until the next prepare_step.
+        positions = self.positions.np[indices]
         known = positions < batch.num_tokens[rows]
-        self.input_ids.np[prepared.deferred_token_indices] = np.where(
+        self.input_ids.np[indices] = np.where(
             known, batch.token_ids_np[rows, positions], 0)
         inputs.input_ids = self.input_ids.copy_to_device(inputs.input_ids.shape[0])
 
