@@ -68,6 +68,28 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     return out.view(num_reqs, num_heads, head_size).to(query.dtype)
 
 
+def decode_attention_with_kv_write(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                   kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                                   block_table: torch.Tensor, seq_lens: torch.Tensor,
+                                   scale: float) -> torch.Tensor:
+    """One layer of a decode-only step, for a caller traced whole by torch.compile.
+
+    Stores key/value [num_reqs, num_kv_heads, head_size] (one new token per
+    request) at ``slot_mapping`` [num_reqs] of ``kv_cache`` [2, num_blocks,
+    block_size, num_kv_heads, head_size], in place and cast to its dtype, then
+    returns `decode_attention` over the updated cache. Every slot must be real
+    (no -1 padding) and no two requests may share one.
+    """
+    block_size = kv_cache.shape[2]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    # index_put_ on the graph's input itself: inductor does it in place, whereas a
+    # write through a view of the input (kv_cache[0].view(...)) is functionalized
+    # into a copy of the whole cache on every call.
+    kv_cache.index_put_((torch.zeros_like(blocks), blocks, offsets), key.to(kv_cache.dtype))
+    kv_cache.index_put_((torch.ones_like(blocks), blocks, offsets), value.to(kv_cache.dtype))
+    return decode_attention(query, kv_cache[0], kv_cache[1], block_table, seq_lens, scale)
+
+
 @functools.cache
 def _compiled_decode_attention() -> Callable[..., torch.Tensor]:
     # Compiled lazily, on the first decode step; inductor's on-disk cache makes later
@@ -148,8 +170,10 @@ def plan_paged_attention_cpu(block_table: torch.Tensor, query_start_loc: torch.T
     # Copies (small: ints per request), so that the kernel's inputs are always fresh
     # tensors: a view of the runner's buffers differs from one made here in what
     # torch.compile guards on (an inference-mode tensor or not), which would recompile.
+    # Contiguous strides even for one request, whose row stride clone() would keep.
     return CpuAttentionPlan(num_reqs, num_actual_tokens, num_decodes, decode_rows,
-                            decode_block_table[:, :max_blocks].clone(),
+                            decode_block_table[:, :max_blocks].clone(
+                                memory_format=torch.contiguous_format),
                             decode_seq_lens.clone(), prefill)
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import paged_attention_ref
+from kernels import paged_attention_ref, reshape_and_cache_ref
 from kernels.paged_attention_cpu import (
     decode_attention,
+    decode_attention_with_kv_write,
     paged_attention_cpu,
     plan_paged_attention_cpu,
 )
@@ -60,6 +61,33 @@ def test_cpu_path_matches_reference(case: str, dtype: torch.dtype) -> None:
     assert max_rel_error(out[:n], dense_causal_attention(batch, 0.125)[:n]) < TOLERANCE[dtype]
     expected = paged_attention_ref(*batch.args(0.125))
     assert max_rel_error(out[:n], expected[:n]) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_with_kv_write_compiled_matches_reference(dtype: torch.dtype) -> None:
+    """Compiled, as a whole decode step compiles it: the new K/V land at their slots of
+    the cache passed in (nothing else changes), and attention sees them."""
+    block_size, num_kv_heads, head_size = 8, 3, 32
+    batch = make_batch(*DECODE_ONLY, block_size, 9, num_kv_heads, head_size, dtype=dtype, seed=4)
+    n = batch.num_actual_tokens
+    gen = torch.Generator().manual_seed(8)
+    key, value = (torch.randn(n, num_kv_heads, head_size, generator=gen).to(dtype) for _ in range(2))
+    # Each request's newest token is its last position.
+    last = batch.seq_lens.long() - 1
+    slots = batch.block_table[:n].long().gather(1, (last // block_size)[:, None])[:, 0]
+    slots = slots * block_size + last % block_size
+    expected_cache = batch.kv_cache.clone()
+    reshape_and_cache_ref(key, value, expected_cache[0], expected_cache[1], slots)
+    expected = paged_attention_ref(batch.query, expected_cache[0], expected_cache[1],
+                                   *batch.args(0.2)[3:])
+    plan = plan_paged_attention_cpu(batch.block_table, batch.query_start_loc, batch.seq_lens,
+                                    n, n, block_size, num_kv_heads, head_size)
+    with torch.inference_mode():
+        compiled = torch.compile(decode_attention_with_kv_write, dynamic=True)
+        out = compiled(batch.query[:n], key, value, batch.kv_cache, slots,
+                       plan.decode_block_table, plan.decode_seq_lens, 0.2)
+    assert torch.equal(batch.kv_cache, expected_cache)
+    assert max_rel_error(out, expected[:n]) < TOLERANCE[dtype]
 
 
 def test_plan_is_shared_and_checked() -> None:
