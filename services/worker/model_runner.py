@@ -190,6 +190,8 @@ class ModelRunner:
         if not cpp_compiler_available():
             return False
         self.model.compile_pieces(compile_piece)  # type: ignore[operator]
+        if hasattr(self.model, "compile_decode_step"):
+            self.model.compile_decode_step(compile_piece, self.kv_caches)
         return True
 
     def _init_logits_buffers(self, max_num_reqs: int, model_config: ModelConfig) -> None:

@@ -1,14 +1,21 @@
-"""Warm-up steps that compile the CPU worker's pieces before it registers.
+"""Warm-up steps that compile the CPU worker's graphs before it registers.
 
 torch.compile builds on first use. A worker that compiled during its first
 real step would stall that request for as long as inductor takes (tens of
-seconds cold), so, as vLLM's ``compile_or_warm_up_model``, the worker runs a
-few made-up steps first: a prefill of two requests, one of them at least
-``DEQUANTIZE_MIN_ROWS`` tokens long (the multi-token graphs, both int8 paths,
-the prefill attention), a decode of both (the dynamic decode kernel) and a
-decode of one (torch's batch-of-one specialization). They write garbage K/V
-into blocks from 1 on, which no request owns yet; block 0, the null block, is
-never touched.
+seconds cold), so, as vLLM's ``compile_or_warm_up_model``, the worker runs
+made-up steps first, one for each compiled variant a real step can need:
+
+* a prefill at least ``DEQUANTIZE_MIN_ROWS`` tokens long: the pieces for wide
+  batches (int8 layers dequantize), the prefill attention;
+* two short prefills, beside one decode and then two: the pieces for narrow
+  batches, the decode attention of mixed steps (one row, then several);
+* a decode of three requests, then of one: the decode step's graph for dynamic
+  batches and torch's batch-of-one specialization;
+* where the batch can hold them, ``DEQUANTIZE_MIN_ROWS`` one-token prompts: a
+  step shaped as a decode that wide (int8 layers dequantize).
+
+They write garbage K/V into blocks from 1 on, which no request owns yet;
+block 0, the null block, is never touched.
 """
 
 from __future__ import annotations
@@ -25,49 +32,71 @@ if TYPE_CHECKING:
     from services.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-_PROMPT_LENS = (DEQUANTIZE_MIN_ROWS + 2, 3)
-_REQ_IDS = ("warmup-0", "warmup-1")
-_NUM_DECODES = 2  # tokens each request gets after its prompt
+_LONG, _SHORT_A, _SHORT_B = "warmup-long", "warmup-short-a", "warmup-short-b"
+_PROMPT_LENS = {_LONG: DEQUANTIZE_MIN_ROWS + 2, _SHORT_A: 3, _SHORT_B: 3}
+_NUM_DECODES = 4  # most tokens a request gets after its prompt
 
 
-def _blocks_needed(block_size: int) -> list[int]:
-    return [-(-(n + _NUM_DECODES) // block_size) for n in _PROMPT_LENS]
+def _blocks_needed(block_size: int) -> dict[str, int]:
+    return {r: -(-(n + _NUM_DECODES) // block_size) for r, n in _PROMPT_LENS.items()}
 
 
 def _steps(block_size: int) -> list[SchedulerOutput]:
+    """The warm-up's steps: each one's new prompts and decodes, then every request's end."""
     params = SamplingParams(temperature=0.0, max_tokens=_NUM_DECODES + 1, ignore_eos=True)
-    new, first_block = [], 1  # block 0 is the null block
-    for req_id, prompt_len, num_blocks in zip(_REQ_IDS, _PROMPT_LENS, _blocks_needed(block_size)):
+    new, first_block = {}, 1  # block 0 is the null block
+    for req_id, num_blocks in _blocks_needed(block_size).items():
+        prompt = list(range(1, _PROMPT_LENS[req_id] + 1))
         block_ids = list(range(first_block, first_block + num_blocks))
-        new.append(NewRequestData(req_id, list(range(1, prompt_len + 1)), params, block_ids, 0))
+        new[req_id] = NewRequestData(req_id, prompt, params, block_ids, 0)
         first_block += num_blocks
-    prefill = SchedulerOutput(scheduled_new_reqs=new,
-                              num_scheduled_tokens=dict(zip(_REQ_IDS, _PROMPT_LENS)),
-                              total_num_scheduled_tokens=sum(_PROMPT_LENS))
-    decode_two = SchedulerOutput(
-        scheduled_cached_reqs=CachedRequestData(list(_REQ_IDS), [False, False], [[], []],
-                                                list(_PROMPT_LENS)),
-        num_scheduled_tokens={r: 1 for r in _REQ_IDS}, total_num_scheduled_tokens=2)
-    decode_one = SchedulerOutput(
-        scheduled_cached_reqs=CachedRequestData([_REQ_IDS[0]], [False], [[]],
-                                                [_PROMPT_LENS[0] + 1]),
-        num_scheduled_tokens={_REQ_IDS[0]: 1}, total_num_scheduled_tokens=1,
-        finished_req_ids={_REQ_IDS[1]})
-    finish = SchedulerOutput(finished_req_ids={_REQ_IDS[0]})
-    return [prefill, decode_two, decode_one, finish]
+    # (new prompts, decodes) per step; a request missing from a step's decodes ends there.
+    schedule = [([_LONG], []), ([_SHORT_A], [_LONG]), ([_SHORT_B], [_LONG, _SHORT_A]),
+                ([], [_LONG, _SHORT_A, _SHORT_B]), ([], [_LONG])]
+    num_computed: dict[str, int] = {}
+    steps = []
+    for new_ids, decode_ids in schedule:
+        scheduled = {r: _PROMPT_LENS[r] for r in new_ids} | dict.fromkeys(decode_ids, 1)
+        cached = CachedRequestData(decode_ids, [False] * len(decode_ids),
+                                   [[] for _ in decode_ids], [num_computed[r] for r in decode_ids])
+        finished = set(num_computed) - set(decode_ids)
+        steps.append(SchedulerOutput(scheduled_new_reqs=[new[r] for r in new_ids],
+                                     scheduled_cached_reqs=cached, num_scheduled_tokens=scheduled,
+                                     total_num_scheduled_tokens=sum(scheduled.values()),
+                                     finished_req_ids=finished))
+        num_computed = {r: num_computed.get(r, 0) + n for r, n in scheduled.items()}
+    steps.append(SchedulerOutput(finished_req_ids=set(num_computed)))
+    return steps
+
+
+def _wide_decode_steps(first_block: int) -> list[SchedulerOutput]:
+    """DEQUANTIZE_MIN_ROWS one-token prompts in one step (one block each), then their end."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    req_ids = [f"warmup-wide-{i}" for i in range(DEQUANTIZE_MIN_ROWS)]
+    new = [NewRequestData(req_id, [1], params, [first_block + i], 0)
+           for i, req_id in enumerate(req_ids)]
+    step = SchedulerOutput(scheduled_new_reqs=new, num_scheduled_tokens=dict.fromkeys(req_ids, 1),
+                           total_num_scheduled_tokens=len(req_ids))
+    return [step, SchedulerOutput(finished_req_ids=set(req_ids))]
 
 
 def warm_up_model(runner: ModelRunner, block_size: int, num_blocks: int) -> None:
     """Runs the warm-up steps on ``runner``; the runner ends with no requests. Does
     nothing where they do not fit: too few KV blocks or batch rows, a token budget
-    under the two prompts, or a model length under the longer request."""
-    fits = (num_blocks > sum(_blocks_needed(block_size))
-            and runner.input_batch.max_num_reqs >= len(_REQ_IDS)
-            and runner.max_num_batched_tokens >= sum(_PROMPT_LENS)
-            and runner.max_model_len >= max(_PROMPT_LENS) + _NUM_DECODES)
+    under the longest prompt, or a model length under the longest request."""
+    fits = (num_blocks > sum(_blocks_needed(block_size).values())
+            and runner.input_batch.max_num_reqs >= len(_PROMPT_LENS)
+            and runner.max_num_batched_tokens >= max(_PROMPT_LENS.values())
+            and runner.max_model_len >= max(_PROMPT_LENS.values()) + _NUM_DECODES)
     if not fits:
         return
+    steps = _steps(block_size)
+    first_free = 1 + sum(_blocks_needed(block_size).values())
+    if (runner.input_batch.max_num_reqs >= DEQUANTIZE_MIN_ROWS
+            and runner.max_num_batched_tokens >= DEQUANTIZE_MIN_ROWS
+            and num_blocks >= first_free + DEQUANTIZE_MIN_ROWS):
+        steps += _wide_decode_steps(first_free)
     start = time.perf_counter()
-    for scheduler_output in _steps(block_size):
+    for scheduler_output in steps:
         runner.execute_model(scheduler_output)
     logger.info("event=worker_warmed_up seconds=%.1f", time.perf_counter() - start)

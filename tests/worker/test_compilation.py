@@ -1,5 +1,5 @@
-"""The CPU worker's compiled pieces: same results as eager, warm-up before serving,
-the on-disk cache, and the switches that turn compilation off."""
+"""The CPU worker's compiled pieces and decode step: same results as eager, warm-up
+before serving, the on-disk cache, and the switches that turn compilation off."""
 
 from __future__ import annotations
 
@@ -14,7 +14,14 @@ from services.worker.compilation import compile_piece, use_compile_cache
 from services.worker.config import WorkerConfig
 from services.worker.model_loader import load_model
 from tests.worker.helpers import greedy_request, make_scheduler, make_worker, random_prompts, run_engine
-from tests.worker.test_models import final_token_ids, run_paged_schedule, save_tiny_hf_model
+from tests.worker.test_models import (
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    final_token_ids,
+    make_kv_caches,
+    run_paged_schedule,
+    save_tiny_hf_model,
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +46,35 @@ def test_compiled_pieces_match_eager(tiny_llama: Path, dtype: str) -> None:
         torch.testing.assert_close(ours, theirs, atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_decode_step_matches_eager(tiny_llama: Path, dtype: str) -> None:
+    """Decode-only steps run as one compiled graph (attention and KV write inside);
+    mixed steps still take the pieces. Logits agree with eager, the last step's through
+    the K/V that the step before wrote inside the graph."""
+    eager, config = load_model(tiny_llama, dtype, "cpu")
+    compiled, _ = load_model(tiny_llama, dtype, "cpu")
+    compiled.compile_pieces(compile_piece)
+    decode_steps = []
+
+    def counted(fn):
+        graph = compile_piece(fn)
+
+        def run(*args):
+            decode_steps.append(args[1].shape[0])  # (model, input_ids, ...)
+            return graph(*args)
+        return run
+
+    kv_caches = make_kv_caches(config, NUM_BLOCKS, BLOCK_SIZE)
+    compiled.compile_decode_step(counted, kv_caches)
+    token_ids = final_token_ids(config.vocab_size)
+    expected = run_paged_schedule(eager, config, token_ids)
+    actual = run_paged_schedule(compiled, config, token_ids, kv_caches=kv_caches)
+    assert decode_steps == [3, 3]  # SCHEDULE's two decode-only steps, three requests each
+    atol = 1e-4 if dtype == "float32" else 0.05
+    for ours, theirs in zip(actual, expected):
+        torch.testing.assert_close(ours, theirs, atol=atol, rtol=0)
+
+
 def test_compiled_worker_warms_up_then_matches_eager(tiny_llama: Path) -> None:
     compiled = make_worker(tiny_llama, compile_pieces=True, max_model_len=128)
     eager = make_worker(tiny_llama, max_model_len=128)
@@ -51,6 +87,22 @@ def test_compiled_worker_warms_up_then_matches_eager(tiny_llama: Path) -> None:
     arrivals = [(i, greedy_request(f"r{i}", p, 6)) for i, p in enumerate(prompts)]
     results = [run_engine(make_scheduler(w), w, arrivals).token_ids for w in (compiled, eager)]
     assert results[0] == results[1]
+
+
+def test_warm_up_builds_every_variant_serving_needs(tiny_llama: Path) -> None:
+    """After warm-up, nothing compiles again: int8 (whose layers switch kernels at
+    DEQUANTIZE_MIN_ROWS rows) through wide and narrow prefills, mixed steps with one
+    and several decodes, and decode-only steps of one, several and 40 requests."""
+    worker = make_worker(tiny_llama, compile_pieces=True, dtype="bfloat16",
+                         quantization="int8", max_model_len=128)
+    wide = [(0, greedy_request(f"w{i}", p, 4 + i % 5))
+            for i, p in enumerate(random_prompts([3] * 40, seed=5))]
+    late = [(9 + i, greedy_request(f"l{i}", p, 6))
+            for i, p in enumerate(random_prompts([40, 5, 7], seed=6))]
+    graphs_built = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    result = run_engine(make_scheduler(worker), worker, wide + late)
+    assert len(result.token_ids) == 43
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_built
 
 
 def test_compile_switch_defaults_by_device() -> None:

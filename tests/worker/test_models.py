@@ -117,10 +117,12 @@ def save_tiny_hf_model(path: Path, config_cls: type, max_shard_size: str | None 
 
 
 def run_paged_schedule(model: torch.nn.Module, config: ModelConfig, token_ids: list[list[int]],
-                       device: torch.device | str = "cpu") -> list[torch.Tensor]:
-    """Drives SCHEDULE; returns each request's logits (on the CPU) for all its positions."""
+                       device: torch.device | str = "cpu",
+                       kv_caches: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Drives SCHEDULE (on ``kv_caches`` when given, zero-filled); returns each request's
+    logits (on the CPU) for all its positions."""
     requests = PagedRequests(token_ids, BLOCK_SIZE)
-    kv_caches = make_kv_caches(config, NUM_BLOCKS, BLOCK_SIZE, device)
+    kv_caches = kv_caches or make_kv_caches(config, NUM_BLOCKS, BLOCK_SIZE, device)
     logits: list[list[torch.Tensor]] = [[] for _ in token_ids]
     for step_idx, scheduled in enumerate(SCHEDULE):
         num_padding = NUM_PADDING if step_idx == PADDED_STEP else 0

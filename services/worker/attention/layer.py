@@ -9,6 +9,7 @@ from kernels._dispatch import use_triton
 from kernels.paged_attention import paged_attention
 from kernels.paged_attention_cpu import (
     CpuAttentionPlan,
+    decode_attention_with_kv_write,
     paged_attention_cpu,
     plan_paged_attention_cpu,
 )
@@ -58,10 +59,30 @@ class Attention(nn.Module):
         if use_triton(query):
             output = paged_attention(*args)
         else:
-            output = paged_attention_cpu(*args, plan=self._plan(attn_metadata, key_cache))
+            output = paged_attention_cpu(*args, plan=self.plan(attn_metadata, key_cache))
         return output.view(num_tokens, self.num_heads * self.head_size)
 
-    def _plan(self, attn_metadata: AttentionMetadata, key_cache: torch.Tensor) -> CpuAttentionPlan:
+    def forward_decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """A decode-only step's attention (CPU), for a forward pass compiled whole.
+
+        One query per request: query [num_reqs, num_heads * head_size], key/value
+        [num_reqs, num_kv_heads * head_size] (or split into heads), slot_mapping
+        [num_reqs] with no padding; ``block_table`` and ``seq_lens`` are the step
+        plan's ``decode_block_table`` and ``decode_seq_lens`` (see ``plan``).
+        Writes the cache, then attends; returns [num_reqs, num_heads * head_size].
+        """
+        num_reqs = query.shape[0]
+        output = decode_attention_with_kv_write(
+            query.view(num_reqs, self.num_heads, self.head_size),
+            key.view(num_reqs, self.num_kv_heads, self.head_size),
+            value.view(num_reqs, self.num_kv_heads, self.head_size),
+            kv_cache, slot_mapping, block_table, seq_lens, self.scale,
+        )
+        return output.view(num_reqs, self.num_heads * self.head_size)
+
+    def plan(self, attn_metadata: AttentionMetadata, key_cache: torch.Tensor) -> CpuAttentionPlan:
         """The step's CPU-path plan: built by the first layer, then shared, since
         every layer sees the same block table and lengths (30 layers, one index pass)."""
         plan = attn_metadata.paged_attention_plan
