@@ -57,8 +57,13 @@ def save_tiny_llama(path: Path) -> Path:
 
 
 def worker_config(model_dir: Path, **overrides) -> WorkerConfig:
+    """An in-process worker on the tiny checkpoint, eager unless overridden: these
+    tests are about the services around it, and a cold compile would take longer
+    than most of them (tests/worker/test_compilation.py and the e2e clusters run
+    the compiled worker)."""
     fields = dict(model=str(model_dir), dtype="float32", num_kv_blocks=NUM_KV_BLOCKS,
-                  max_model_len=MAX_MODEL_LEN, limits=LIMITS, num_threads=1)
+                  max_model_len=MAX_MODEL_LEN, limits=LIMITS, num_threads=1,
+                  compile_pieces=False)
     fields.update(overrides)
     return WorkerConfig(**fields)
 
