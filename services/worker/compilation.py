@@ -11,6 +11,7 @@ them there and skips both the build and the C++ compile.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import os
@@ -61,6 +62,43 @@ def cpp_compiler_available() -> bool:
     return True
 
 
+def private_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with a code object of its own: torch keeps what it compiled for a
+    function (dynamo's variants, a nested compile region's reusable subgraphs, and
+    their limits) per code object, so a copy keeps one model's apart from another's."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                              fn.__defaults__, fn.__closure__)
+
+
+# torch keeps the compiler settings a program makes per thread (in context
+# variables): made where the worker was built, they would not hold on the step
+# pipeline's thread, which traces whatever variant warm-up did not build.
+_configured: contextvars.ContextVar[bool] = contextvars.ContextVar("kvmesh_compiler_configured",
+                                                                   default=False)
+
+
+def _configure_compiler() -> None:
+    """Applies kvmesh's compiler settings in the calling context, once per context."""
+    if _configured.get():
+        return
+    # Dynamo ties dynamic sizes that happen to be equal when it traces ("duck
+    # shaping"): a decode of 3 requests whose block table had 3 columns gave a
+    # graph that only ran while the two matched. No sizes here are equal by
+    # design, so none are tied.
+    fx_config.use_duck_shape = False
+    # Python floats (a layer's scale, its norm's epsilon) are constants of the model.
+    # Traced as symbols, they make dynamo compile a graph, throw it away (uncached)
+    # and trace again with them specialized (40 s per start for a decode step), and
+    # inside a nested compile region inductor fails on them.
+    torch._dynamo.config.specialize_float = True
+    # Sizes are dynamic from the first trace (dynamic=True) or static by design
+    # (weights, the KV caches). Automatic dynamic would remember, per function name
+    # and line rather than per copy, the sizes another model compiled with, and
+    # make this model's weights symbolic on its next compile.
+    torch._dynamo.config.automatic_dynamic_shapes = False
+    _configured.set(True)
+
+
 def compile_piece(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` compiled by inductor for dynamic shapes, with compiled variants of its own.
 
@@ -68,22 +106,20 @@ def compile_piece(fn: Callable[..., Any]) -> Callable[..., Any]:
     per code object. Compiling a private copy of ``fn``'s code gives each model its
     own variants (batch of one, larger batches), instead of every model in the
     process (another dtype, int8) failing the others' guards and recompiling.
-    Identical graphs still come from inductor's cache.
+    Identical graphs still come from inductor's cache. Each call first applies
+    kvmesh's compiler settings on its thread (a context-variable read once set).
     """
-    private = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
-                                 fn.__defaults__, fn.__closure__)
-    # Dynamo ties dynamic sizes that happen to be equal when it traces ("duck
-    # shaping"): a decode of 3 requests whose block table had 3 columns gave a
-    # graph that only ran while the two matched. No sizes here are equal by
-    # design, so none are tied (process-wide: torch reads it for each trace).
-    fx_config.use_duck_shape = False
-    # Python floats (a layer's scale, its norm's epsilon) are constants of the model.
-    # Traced as symbols, they make dynamo compile a graph, throw it away (uncached)
-    # and trace again with them specialized: 40 s per start for a decode step.
-    torch._dynamo.config.specialize_float = True
     # No guards on the modules passed in (a decode step's ran to ~1.3 ms per call
     # over 30 layers): a model is never changed once compiled, and every layer
     # a shared middle piece runs has the same structure. Tensor arguments and
-    # their shapes are still guarded.
-    return torch.compile(private, dynamic=True,
-                         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+    # their shapes are still guarded. That is safe only for the private copy:
+    # fullgraph, so that dynamo raises rather than falling back to compiling the
+    # modules' own forward methods, whose code every model in the process shares.
+    compiled = torch.compile(private_copy(fn), dynamic=True, fullgraph=True,
+                             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        _configure_compiler()
+        return compiled(*args, **kwargs)
+    return run

@@ -3,7 +3,10 @@ before serving, the on-disk cache, and the switches that turn compilation off.""
 
 from __future__ import annotations
 
+import concurrent.futures
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
@@ -22,6 +25,8 @@ from tests.worker.test_models import (
     run_paged_schedule,
     save_tiny_hf_model,
 )
+
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +51,20 @@ def test_compiled_pieces_match_eager(tiny_llama: Path, dtype: str) -> None:
         torch.testing.assert_close(ours, theirs, atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_compiled_decode_step_matches_eager(tiny_llama: Path, dtype: str) -> None:
+def on_new_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` run on a thread of its own, as the worker's step pipeline runs steps."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(fn).result()
+
+
+@pytest.mark.parametrize(("dtype", "thread"), [("float32", False), ("bfloat16", False),
+                                               ("float32", True)])
+def test_compiled_decode_step_matches_eager(tiny_llama: Path, dtype: str, thread: bool) -> None:
     """Decode-only steps run as one compiled graph (attention and KV write inside);
     mixed steps still take the pieces. Logits agree with eager, the last step's through
-    the K/V that the step before wrote inside the graph."""
+    the K/V that the step before wrote inside the graph. ``thread``: compiled on
+    another thread than the one that built the model (torch's compiler settings
+    are per thread)."""
     eager, config = load_model(tiny_llama, dtype, "cpu")
     compiled, _ = load_model(tiny_llama, dtype, "cpu")
     compiled.compile_pieces(compile_piece)
@@ -60,7 +74,7 @@ def test_compiled_decode_step_matches_eager(tiny_llama: Path, dtype: str) -> Non
         graph = compile_piece(fn)
 
         def run(*args):
-            decode_steps.append(args[1].shape[0])  # (model, input_ids, ...)
+            decode_steps.append(args[2].shape[0])  # (model, decode_layer, input_ids, ...)
             return graph(*args)
         return run
 
@@ -68,7 +82,9 @@ def test_compiled_decode_step_matches_eager(tiny_llama: Path, dtype: str) -> Non
     compiled.compile_decode_step(counted, kv_caches)
     token_ids = final_token_ids(config.vocab_size)
     expected = run_paged_schedule(eager, config, token_ids)
-    actual = run_paged_schedule(compiled, config, token_ids, kv_caches=kv_caches)
+    def run_compiled() -> list[torch.Tensor]:
+        return run_paged_schedule(compiled, config, token_ids, kv_caches=kv_caches)
+    actual = on_new_thread(run_compiled) if thread else run_compiled()
     assert decode_steps == [3, 3]  # SCHEDULE's two decode-only steps, three requests each
     atol = 1e-4 if dtype == "float32" else 0.05
     for ours, theirs in zip(actual, expected):

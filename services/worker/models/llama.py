@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from services.worker.attention import Attention, AttentionMetadata
+from services.worker.compilation import private_copy
 from services.worker.config import ModelConfig
 from services.worker.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_emb
 from services.worker.layers.quantization import Int8Linear, quantize_linears_int8
@@ -158,7 +159,12 @@ class LlamaModel(nn.Module):
         """
         for kv_cache in kv_caches:
             torch._dynamo.mark_static(kv_cache)
-        self.decode_step = functools.partial(compile_fn(_decode_step), self)
+        # Traced and compiled once, then stamped out for every layer: tracing 30
+        # layers one by one took 10 s per compiled variant, on every start. A
+        # private copy, since torch keeps a region's subgraphs (at most 8) per code
+        # object: another model in the process must not share or use up this one's.
+        decode_layer = torch.compiler.nested_compile_region(private_copy(_decode_layer))
+        self.decode_step = functools.partial(compile_fn(_decode_step), self, decode_layer)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -208,11 +214,13 @@ def _last_piece(layer: LlamaDecoderLayer, norm: RMSNorm, attn_output: torch.Tens
     return hidden_states
 
 
-def _decode_step(model: LlamaModel, input_ids: torch.Tensor, positions: torch.Tensor,
+def _decode_step(model: LlamaModel, decode_layer: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+                 input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
                  block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
     """The whole forward pass of a decode-only step (one token per request, no
     padding), written to be compiled as one graph: hidden states [num_reqs, hidden].
+    ``decode_layer`` runs one layer (`_decode_layer`, as a nested compile region);
     ``block_table``/``seq_lens`` are the step's CPU attention plan's decode ones."""
     hidden_states = model.embed_tokens(input_ids)
     # Copies: the layers' compiled region takes no inputs that alias each other.
@@ -220,15 +228,12 @@ def _decode_step(model: LlamaModel, input_ids: torch.Tensor, positions: torch.Te
     # Layer 0 adds a zero residual, exactly as if it added none: every layer is alike.
     residual = torch.zeros_like(hidden_states)
     for layer, kv_cache in zip(model.layers, kv_caches):
-        hidden_states, residual = _decode_layer(layer, hidden_states, residual, cos, sin,
-                                                kv_cache, slot_mapping, block_table, seq_lens)
+        hidden_states, residual = decode_layer(layer, hidden_states, residual, cos, sin,
+                                               kv_cache, slot_mapping, block_table, seq_lens)
     hidden_states, _ = model.norm(hidden_states, residual)
     return hidden_states
 
 
-# Traced and compiled once, then stamped out for every layer: tracing 30 layers
-# one by one took 10 s per compiled variant, on every start.
-@torch.compiler.nested_compile_region
 def _decode_layer(layer: LlamaDecoderLayer, hidden_states: torch.Tensor, residual: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                   slot_mapping: torch.Tensor, block_table: torch.Tensor,
