@@ -183,8 +183,9 @@ class ModelRunner:
         self.compiled_pieces = compile_pieces and self._init_compilation()
 
     def _init_compilation(self) -> bool:
-        """Compiles the pieces between attention calls (CPU only: on CUDA, graphs do this
-        job); returns whether they are compiled. Without a C++ compiler they stay eager."""
+        """Compiles the pieces between attention calls and, where the model offers it,
+        the whole decode-only step (CPU only: on CUDA, graphs do this job); returns
+        whether they are compiled. Without a C++ compiler they stay eager."""
         if self.device.type != "cpu" or not hasattr(self.model, "compile_pieces"):
             return False
         if not cpp_compiler_available():
