@@ -101,7 +101,9 @@ def _compiled_decode_attention() -> Callable[..., torch.Tensor]:
         get_cpp_compiler()
     except Exception:  # RuntimeError when no compiler is found
         return decode_attention
-    return torch.compile(decode_attention)
+    # Dynamic from the first trace: batch, block-table width and cache size all vary,
+    # and a process may hold several caches (several workers or benchmarks).
+    return torch.compile(decode_attention, dynamic=True)
 
 
 def compiled_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,

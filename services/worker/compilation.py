@@ -91,11 +91,6 @@ def _configure_compiler() -> None:
     # and trace again with them specialized (40 s per start for a decode step), and
     # inside a nested compile region inductor fails on them.
     torch._dynamo.config.specialize_float = True
-    # Sizes are dynamic from the first trace (dynamic=True) or static by design
-    # (weights, the KV caches). Automatic dynamic would remember, per function name
-    # and line rather than per copy, the sizes another model compiled with, and
-    # make this model's weights symbolic on its next compile.
-    torch._dynamo.config.automatic_dynamic_shapes = False
     _configured.set(True)
 
 
