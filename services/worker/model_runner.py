@@ -179,6 +179,9 @@ class ModelRunner:
         self.seq_lens = _StagedBuffer(max_num_reqs, torch.int32, self.device)
         self.arange_np = np.arange(max(max_num_reqs, max_num_batched_tokens) + 1, dtype=np.int64)
         self._init_logits_buffers(max_num_reqs, model_config)
+        if self.device.type == "cpu" and hasattr(model, "pack_weights_"):
+            # Before compiling: the compiled graphs call the packed kernels.
+            model.pack_weights_()  # type: ignore[operator]
         self._init_cudagraphs(cudagraph_mode, list(cudagraph_capture_sizes))
         self.compiled_pieces = compile_pieces and self._init_compilation()
 

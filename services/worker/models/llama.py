@@ -23,6 +23,7 @@ from services.worker.attention import Attention, AttentionMetadata
 from services.worker.compilation import private_copy
 from services.worker.config import ModelConfig
 from services.worker.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_emb
+from services.worker.layers.packed_linear import PackedLinear, can_pack, pack_linears_
 from services.worker.layers.quantization import Int8Linear, quantize_linears_int8
 
 # (fused parameter, checkpoint projection, shard id) in vLLM's naming.
@@ -298,8 +299,9 @@ class LlamaForCausalLM(nn.Module):
                        out: torch.Tensor | None = None) -> torch.Tensor:
         """[n, hidden_size] -> logits [n, vocab_size]: float32, or written into ``out``
         (any float dtype) when given, which spares a vocabulary-sized allocation per
-        step where the head's dtype matches (the int8 kernel has no ``out`` form)."""
-        if isinstance(self.lm_head, Int8Linear):
+        step where the head's dtype matches (the int8 and prepacked kernels have no
+        ``out`` form)."""
+        if isinstance(self.lm_head, (Int8Linear, PackedLinear)):
             logits = self.lm_head(hidden_states)
         elif out is not None and out.dtype == hidden_states.dtype:
             return torch.mm(hidden_states, self.lm_head.weight.t(), out=out)
@@ -318,6 +320,22 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Int8Linear.from_float(self.lm_head.weight, None, dtype)
         self.to(dtype)
         self.config = dataclasses.replace(self.config, dtype=dtype)
+
+    def pack_weights_(self) -> int:
+        """Prepacks every float linear layer and the LM head for oneDNN (CPU; see
+        ``PackedLinear``); returns how many were packed, 0 where ``can_pack`` says no.
+
+        Call once the weights are final (loaded, quantized): a packed weight can
+        no longer be loaded into, cast or read. A tied head gets its own packed
+        copy of the embedding (the lookup keeps the plain table).
+        """
+        count = pack_linears_(self.model)
+        head = self.lm_head
+        if isinstance(head, (nn.Linear, nn.Embedding)) and can_pack(head.weight.dtype,
+                                                                    head.weight.device):
+            self.lm_head = PackedLinear(head.weight, getattr(head, "bias", None))
+            count += 1
+        return count
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies Hugging Face-named tensors into the parameters, casting to their dtype.
