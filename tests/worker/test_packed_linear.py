@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from torch._inductor.utils import fresh_cache, run_and_get_code
 
 from services.worker.compilation import compile_piece, cpp_compiler_available
 from services.worker.layers.packed_linear import PackedLinear, can_pack, pack_linears_
@@ -43,17 +44,26 @@ def test_packed_linear_matches_f_linear(dtype: torch.dtype, bias: bool, num_rows
 
 @pytest.mark.skipif(not cpp_compiler_available(), reason="inductor needs a C++ compiler")
 def test_compiled_graphs_call_the_packed_kernel() -> None:
-    """Through the custom op: inductor's own lowering refuses a weight that is a graph input."""
+    """Inductor lowers the custom op to oneDNN's kernel (its own lowering of that
+    kernel refuses a weight that is a graph input)."""
     linear, packed = _layer(DTYPES[-1], bias=True)
 
     def mlp(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
         return F.silu(layer(x)) * 2
 
     compiled = compile_piece(mlp)
-    with torch.inference_mode():
+    codes_seen = []
+    # A fresh cache: a graph cached before the lowering existed would still call the body.
+    with torch.inference_mode(), fresh_cache():
         for num_rows in (1, 5, 9):  # batch of one, then the dynamic graph twice
             x = torch.randn(num_rows, 48).to(linear.weight.dtype)
-            assert torch.equal(compiled(packed, x), mlp(packed, x))
+            out, codes = run_and_get_code(compiled, packed, x)
+            assert torch.equal(out, mlp(packed, x))
+            codes_seen += codes
+    # The graphs call oneDNN itself, not the custom op's Python body.
+    code = "\n".join(codes_seen)
+    assert "torch.ops.mkldnn._linear_pointwise.default(" in code
+    assert "torch.ops.kvmesh.onednn_linear.default(" not in code
 
 
 def test_pack_linears_replaces_what_it_can() -> None:
