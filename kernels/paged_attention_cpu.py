@@ -3,10 +3,12 @@
 `paged_attention_ref` is the oracle: it gathers each request's whole history into a
 padded buffer and attends in float32. On the CPU that copy, made on every layer of every
 decode step, costs more than the attention itself. Here a decode query (q_len == 1)
-goes through `decode_attention`, a torch function compiled by inductor into one loop
-nest that loads each key and value through the block table where it lies in the cache
-(an indirect load fused into the dot products; nothing is gathered first), with a
-float32 softmax. Requests with several queries (prefill, chunked prefill) gather
+reads each key and value through the block table where it lies in the cache, with a
+float32 softmax: in kvmesh's C++ kernel (``kvmesh::decode_attention_cpu``, built at
+run time by `kernels.cpu_extension`; 2.5-6x faster) where it serves the shapes, else
+in `decode_attention`, a torch function compiled by inductor into one loop nest (an
+indirect load fused into the dot products), which is also the C++ kernel's
+reference. Requests with several queries (prefill, chunked prefill) gather
 their keys as the reference does, since there the copy is small next to the
 q_len x seq_len work, and attend with SDPA in the query's dtype (a request's whole
 prompt in one step as plain causal attention, without a mask).
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_extension import load_cpu_kernels
 from kernels.paged_attention import (
     PagedAttentionPlan,
     _check_shapes,
@@ -77,7 +80,8 @@ def decode_attention_with_kv_write(query: torch.Tensor, key: torch.Tensor, value
     Stores key/value [num_reqs, num_kv_heads, head_size] (one new token per
     request) at ``slot_mapping`` [num_reqs] of ``kv_cache`` [2, num_blocks,
     block_size, num_kv_heads, head_size], in place and cast to its dtype, then
-    returns `decode_attention` over the updated cache. Every slot must be real
+    returns `decode_attention` over the updated cache (kvmesh's C++ kernel where
+    `uses_cpu_kernel`, else the torch function). Every slot must be real
     (no -1 padding) and no two requests may share one.
     """
     block_size = kv_cache.shape[2]
@@ -87,7 +91,32 @@ def decode_attention_with_kv_write(query: torch.Tensor, key: torch.Tensor, value
     # into a copy of the whole cache on every call.
     kv_cache.index_put_((torch.zeros_like(blocks), blocks, offsets), key.to(kv_cache.dtype))
     kv_cache.index_put_((torch.ones_like(blocks), blocks, offsets), value.to(kv_cache.dtype))
-    return decode_attention(query, kv_cache[0], kv_cache[1], block_table, seq_lens, scale)
+    attend = (torch.ops.kvmesh.decode_attention_cpu if uses_cpu_kernel(query, kv_cache[0])
+              else decode_attention)
+    return attend(query, kv_cache[0], kv_cache[1], block_table, seq_lens, scale)
+
+
+# What kvmesh::decode_attention_cpu serves: its dtypes, the bounds of its stack buffers,
+# and head sizes in whole pairs of vectors.
+_CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+_CPU_KERNEL_MAX_HEADS, _CPU_KERNEL_MAX_HEAD_SIZE, _CPU_KERNEL_MAX_BLOCK_SIZE = 128, 256, 64
+_CPU_KERNEL_HEAD_SIZE_MULTIPLE = 32
+
+
+@torch.compiler.assume_constant_result
+def _cpu_kernel_loaded() -> bool:
+    # A constant to torch.compile: called (and the kernel built) eagerly while tracing.
+    return load_cpu_kernels()
+
+
+def uses_cpu_kernel(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether decode attention on ``query`` [num_reqs, num_heads, head_size] and a cache
+    like ``key_cache`` runs kvmesh's C++ kernel (else `decode_attention`)."""
+    num_heads, head_size = query.shape[1:]
+    return (query.dtype in _CPU_KERNEL_DTYPES and key_cache.dtype in _CPU_KERNEL_DTYPES
+            and num_heads <= _CPU_KERNEL_MAX_HEADS and head_size <= _CPU_KERNEL_MAX_HEAD_SIZE
+            and head_size % _CPU_KERNEL_HEAD_SIZE_MULTIPLE == 0
+            and key_cache.shape[1] <= _CPU_KERNEL_MAX_BLOCK_SIZE and _cpu_kernel_loaded())
 
 
 @functools.cache
@@ -109,12 +138,17 @@ def _compiled_decode_attention() -> Callable[..., torch.Tensor]:
 def compiled_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
                               value_cache: torch.Tensor, block_table: torch.Tensor,
                               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """`decode_attention` through inductor, one compiled variant per dtype for every
-    batch size and context length (plus torch's batch-of-one specialization).
+    """`decode_attention` for an eager caller: kvmesh's C++ kernel where it serves
+    (`uses_cpu_kernel`), else the torch function through inductor, one compiled
+    variant per dtype for every batch size and context length (plus torch's
+    batch-of-one specialization).
 
     Only the batch and block-count dimensions are dynamic: a dynamic cache shape
     would let torch tie it to an equal batch size, and recompile when they differ.
     """
+    if uses_cpu_kernel(query, key_cache):
+        return torch.ops.kvmesh.decode_attention_cpu(query, key_cache, value_cache, block_table,
+                                                     seq_lens, scale)
     for tensor, dims in ((query, (0,)), (block_table, (0, 1)), (seq_lens, (0,))):
         for dim in dims:
             torch._dynamo.maybe_mark_dynamic(tensor, dim)

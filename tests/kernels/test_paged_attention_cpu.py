@@ -1,12 +1,16 @@
-"""The CPU attention path: decode queries read the cache in place (compiled kernel),
-the rest gather; both checked against the reference on random ragged batches."""
+"""The CPU attention path: decode queries read the cache in place (the C++ kernel, or
+the compiled torch one), the rest gather; checked against the reference on random
+ragged batches."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
 from kernels import paged_attention_ref, reshape_and_cache_ref
+from kernels.cpu_extension import load_cpu_kernels
 from kernels.paged_attention_cpu import (
     decode_attention,
     decode_attention_with_kv_write,
@@ -113,7 +117,8 @@ def test_decode_only_batch_reads_query_rows_in_place() -> None:
     assert plan.decode_rows is None and plan.prefill is None
 
 
-def test_without_a_cpp_compiler_decode_runs_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_a_cpp_compiler_decode_runs_eagerly(monkeypatch: pytest.MonkeyPatch,
+                                                    tmp_path: Path) -> None:
     import torch._inductor.cpp_builder as cpp_builder
 
     from kernels import paged_attention_cpu as module
@@ -122,12 +127,16 @@ def test_without_a_cpp_compiler_decode_runs_eagerly(monkeypatch: pytest.MonkeyPa
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built to load
     module._compiled_decode_attention.cache_clear()
+    load_cpu_kernels.cache_clear()
     try:
         assert module._compiled_decode_attention() is decode_attention
         batch = make_batch(*DECODE_ONLY, 16, 4, 2, 32, seed=1)
+        assert not module.uses_cpu_kernel(batch.query, batch.kv_cache[0])
         n = batch.num_actual_tokens
         out = paged_attention_cpu(*batch.args(0.2))
         assert max_rel_error(out[:n], dense_causal_attention(batch, 0.2)[:n]) < 1e-4
     finally:
         module._compiled_decode_attention.cache_clear()
+        load_cpu_kernels.cache_clear()

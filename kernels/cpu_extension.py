@@ -1,0 +1,98 @@
+"""Builds and loads kvmesh's C++ CPU kernels (``kernels/csrc``) at run time.
+
+Built once per machine with the C++ compiler inductor uses, into torch's extension
+directory (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), under
+a name that hashes the source, the torch version and the compiler flags; later
+processes load the library they find there. The vector instruction set is the one
+torch reports for the CPU (``torch.backends.cpu.get_cpu_capability``), and it
+selects ATen's vector types the way torch's own kernels do.
+
+Where nothing can be built (no compiler, an unsupported CPU), ``load_cpu_kernels``
+returns False once, logs why, and callers keep their PyTorch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+logger = logging.getLogger(__name__)
+SOURCES = (Path(__file__).parent / "csrc" / "decode_attention_cpu.cpp",)
+# torch's capability -> compiler flags for ATen's vector types (as inductor's VecISA).
+_ISA_FLAGS = {
+    "AVX512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl",
+               "-mavx512bw", "-mfma"],
+    "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
+}
+
+
+def _compile_command(compiler: str, isa: str, sources: tuple[Path, ...], output: Path) -> list[str]:
+    abi = int(torch.compiled_with_cxx11_abi())
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    libs = [f"-L{p}" for p in cpp_extension.library_paths()]
+    return [compiler, *map(str, sources), "-o", str(output), "-shared", "-fPIC", "-O3",
+            "-std=c++17", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *_ISA_FLAGS[isa],
+            *includes, *libs, "-lc10", "-ltorch", "-ltorch_cpu"]
+
+
+def _library_path(compiler: str, isa: str) -> Path:
+    key = hashlib.sha256()
+    for source in SOURCES:
+        key.update(source.read_bytes())
+    key.update(f"{torch.__version__} {compiler} {_ISA_FLAGS[isa]}".encode())
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+    return root / "kvmesh" / f"kvmesh_cpu_kernels_{isa.lower()}_{key.hexdigest()[:16]}.so"
+
+
+def _build(compiler: str, isa: str, library: Path) -> None:
+    """Compiles into a temporary file and renames it, so that a process never loads
+    a library another is still writing."""
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+        partial = Path(tmp) / library.name
+        subprocess.run(_compile_command(compiler, isa, SOURCES, partial), check=True,
+                       capture_output=True, text=True)
+        os.replace(partial, library)
+
+
+@functools.cache
+def load_cpu_kernels() -> bool:
+    """Loads the ``kvmesh::*_cpu`` ops (building them first if needed); returns whether
+    they are available. Called once per process; never raises."""
+    isa = torch.backends.cpu.get_cpu_capability()
+    if isa not in _ISA_FLAGS:
+        logger.info("event=cpu_kernels_unavailable reason=%r", f"CPU capability {isa}")
+        return False
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        compiler = get_cpp_compiler()
+        library = _library_path(compiler, isa)
+        if not library.exists():
+            _build(compiler, isa, library)
+        torch.ops.load_library(str(library))
+    except Exception as e:  # no compiler, a failed build or load: the PyTorch path serves
+        detail = e.stderr[-2000:] if isinstance(e, subprocess.CalledProcessError) else repr(e)
+        logger.warning("event=cpu_kernels_unavailable error=%s", detail)
+        return False
+    _register_fake_kernels()
+    return True
+
+
+@functools.cache  # once per process, even if the library is loaded again
+def _register_fake_kernels() -> None:
+    """Output shapes for torch.compile's tracing of the C++ ops."""
+
+    @torch.library.register_fake("kvmesh::decode_attention_cpu")
+    def _decode_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor,
+                              value_cache: torch.Tensor, block_table: torch.Tensor,
+                              seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        return query.new_empty(query.shape)
