@@ -96,11 +96,11 @@ def decode_attention_with_kv_write(query: torch.Tensor, key: torch.Tensor, value
     return attend(query, kv_cache[0], kv_cache[1], block_table, seq_lens, scale)
 
 
-# What kvmesh::decode_attention_cpu serves: its dtypes, the bounds of its stack buffers,
-# and head sizes in whole pairs of vectors.
+# What kvmesh::decode_attention_cpu serves: its dtypes, the head sizes it is compiled
+# for, and the bounds of its stack buffers.
 _CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-_CPU_KERNEL_MAX_HEADS, _CPU_KERNEL_MAX_HEAD_SIZE, _CPU_KERNEL_MAX_BLOCK_SIZE = 128, 256, 64
-_CPU_KERNEL_HEAD_SIZE_MULTIPLE = 32
+_CPU_KERNEL_HEAD_SIZES = (32, 64, 128, 256)
+_CPU_KERNEL_MAX_HEADS, _CPU_KERNEL_MAX_BLOCK_SIZE = 128, 64
 
 
 @torch.compiler.assume_constant_result
@@ -114,8 +114,7 @@ def uses_cpu_kernel(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     like ``key_cache`` runs kvmesh's C++ kernel (else `decode_attention`)."""
     num_heads, head_size = query.shape[1:]
     return (query.dtype in _CPU_KERNEL_DTYPES and key_cache.dtype in _CPU_KERNEL_DTYPES
-            and num_heads <= _CPU_KERNEL_MAX_HEADS and head_size <= _CPU_KERNEL_MAX_HEAD_SIZE
-            and head_size % _CPU_KERNEL_HEAD_SIZE_MULTIPLE == 0
+            and num_heads <= _CPU_KERNEL_MAX_HEADS and head_size in _CPU_KERNEL_HEAD_SIZES
             and key_cache.shape[1] <= _CPU_KERNEL_MAX_BLOCK_SIZE and _cpu_kernel_loaded())
 
 

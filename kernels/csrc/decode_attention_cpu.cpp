@@ -7,9 +7,10 @@
 // walks its blocks in order, reading every KV head's rows of a block together (the
 // rows are contiguous in the cache) while the next block is prefetched: read one
 // head at a time and unprefetched, the loads were latency-bound at a fifth of
-// memory bandwidth.
-// Within a block, scores for its tokens, one online-softmax update per head, then
-// the weighted values; scores, softmax and sums are float32.
+// memory bandwidth. Within a block: each token's scores (a K row in registers,
+// dotted with its KV head's queries), one online-softmax update per head, then
+// each head's output accumulated in registers over the V rows. Scores, softmax and
+// sums are float32; head sizes are compile-time (32, 64, 128, 256).
 //
 // Built at run time by kernels/cpu_extension.py with the C++ compiler inductor uses.
 #include <ATen/ATen.h>
@@ -31,37 +32,29 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Bounds of the stack buffers below; the Python side checks them before calling.
 constexpr int64_t kMaxHeads = 128;
 constexpr int64_t kMaxHeadSize = 256;
+// Head sizes compiled for (each keeps a row of K or V in registers).
+constexpr int64_t kHeadSizes[] = {32, 64, 128, 256};
 constexpr int64_t kMaxBlockSize = 64;
 // Work items per thread wanted before a request's blocks are split.
 constexpr int64_t kItemsPerThread = 4;
 constexpr int64_t kMinBlocksPerSplit = 4;
 
-// A cache row as float32: the row itself, or its conversion into `buf`.
-template <typename T>
-inline const float* row_as_float(const T* src, float* buf, int64_t n) {
+// A cache row of HEAD elements as float32 vectors, in registers.
+template <int HEAD, typename T>
+inline void load_row(const T* src, Vec* out) {
   if constexpr (std::is_same_v<T, float>) {
-    return src;
+    for (int i = 0; i < HEAD / Vec::size(); ++i) out[i] = Vec::loadu(src + i * Vec::size());
   } else {
-    using HalfVec = at::vec::Vectorized<T>;
-    for (int64_t i = 0; i < n; i += HalfVec::size()) {
-      auto [lo, hi] = at::vec::convert_to_float<T>(HalfVec::loadu(src + i));
-      lo.store(buf + i);
-      hi.store(buf + i + Vec::size());
+    using HalfVec = at::vec::Vectorized<T>;  // twice as many lanes as Vec
+    for (int i = 0; i < HEAD / HalfVec::size(); ++i) {
+      std::tie(out[2 * i], out[2 * i + 1]) =
+          at::vec::convert_to_float<T>(HalfVec::loadu(src + i * HalfVec::size()));
     }
-    return buf;
   }
 }
 
 inline float reduce_sum(Vec v) {
   return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  Vec acc(0.f);
-  for (int64_t i = 0; i < n; i += Vec::size()) {
-    acc = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc);
-  }
-  return reduce_sum(acc);
 }
 
 inline void prefetch(const void* ptr, int64_t bytes) {
@@ -93,13 +86,14 @@ struct Shape {
 // block is read, the next one is prefetched a token row at a time (all at once
 // overflows the core's miss buffers); after the last, `next_block` (the thread's
 // next work item's first block, or -1).
-template <typename kv_t>
+template <int HEAD, typename kv_t>
 void attend_blocks(const Shape& s, const float* q, const kv_t* key_cache, const kv_t* value_cache,
                    const int32_t* blocks, int64_t block_begin, int64_t block_end, int64_t seq_len,
                    int64_t next_block, float* acc, float* m, float* l) {
+  constexpr int kVecs = HEAD / Vec::size();
   alignas(64) float scores[kMaxHeads][kMaxBlockSize];
-  alignas(64) float buf[kMaxHeadSize];
-  std::fill_n(acc, s.num_heads * s.head_size, 0.f);
+  Vec row[kVecs];
+  std::fill_n(acc, s.num_heads * HEAD, 0.f);
   std::fill_n(m, s.num_heads, kNegInf);
   std::fill_n(l, s.num_heads, 0.f);
   const int64_t row_bytes = s.token_stride * static_cast<int64_t>(sizeof(kv_t));
@@ -114,10 +108,13 @@ void attend_blocks(const Shape& s, const float* q, const kv_t* key_cache, const 
       }
       if (t >= num_tokens) continue;
       for (int64_t kvh = 0; kvh < s.num_kv_heads; ++kvh) {
-        const float* k = row_as_float(key_cache + base + t * s.token_stride + kvh * s.head_size,
-                                      buf, s.head_size);
+        load_row<HEAD>(key_cache + base + t * s.token_stride + kvh * HEAD, row);
         for (int64_t h = kvh * s.group; h < (kvh + 1) * s.group; ++h) {
-          scores[h][t] = dot(q + h * s.head_size, k, s.head_size);
+          Vec dot(0.f);
+          for (int i = 0; i < kVecs; ++i) {
+            dot = at::vec::fmadd(Vec::loadu(q + h * HEAD + i * Vec::size()), row[i], dot);
+          }
+          scores[h][t] = reduce_sum(dot);
         }
       }
     }
@@ -134,30 +131,24 @@ void attend_blocks(const Shape& s, const float* q, const kv_t* key_cache, const 
         sum = sum + Vec::set(Vec(0.f), p, width);
       }
       l[h] = l[h] * correction + reduce_sum(sum);
-      if (correction != 1.f) {
-        float* a = acc + h * s.head_size;
-        for (int64_t d = 0; d < s.head_size; d += Vec::size()) {
-          (Vec::loadu(a + d) * Vec(correction)).store(a + d);
-        }
+      // The head's output, rescaled to the new max, accumulates in registers over
+      // the block's values (each row converted once per head: cheaper than
+      // loading and storing the accumulator once per token).
+      float* a = acc + h * HEAD;
+      Vec out[kVecs];
+      for (int i = 0; i < kVecs; ++i) out[i] = Vec::loadu(a + i * Vec::size()) * Vec(correction);
+      const kv_t* values = value_cache + base + (h / s.group) * HEAD;
+      for (int64_t t = 0; t < num_tokens; ++t) {
+        load_row<HEAD>(values + t * s.token_stride, row);
+        const Vec p(scores[h][t]);
+        for (int i = 0; i < kVecs; ++i) out[i] = at::vec::fmadd(p, row[i], out[i]);
       }
-    }
-    for (int64_t t = 0; t < num_tokens; ++t) {
-      for (int64_t kvh = 0; kvh < s.num_kv_heads; ++kvh) {
-        const float* v = row_as_float(value_cache + base + t * s.token_stride + kvh * s.head_size,
-                                      buf, s.head_size);
-        for (int64_t h = kvh * s.group; h < (kvh + 1) * s.group; ++h) {
-          const Vec p(scores[h][t]);
-          float* a = acc + h * s.head_size;
-          for (int64_t d = 0; d < s.head_size; d += Vec::size()) {
-            at::vec::fmadd(p, Vec::loadu(v + d), Vec::loadu(a + d)).store(a + d);
-          }
-        }
-      }
+      for (int i = 0; i < kVecs; ++i) out[i].store(a + i * Vec::size());
     }
   }
 }
 
-template <typename q_t, typename kv_t>
+template <typename q_t, typename kv_t, int HEAD>
 void decode_attention_kernel(const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_table,
                              const at::Tensor& seq_lens, double scale, at::Tensor& out) {
@@ -197,7 +188,7 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& key_cach
       }
       float* part = parts.data() + item * part_size;
       float* m = part + s.num_heads * s.head_size;
-      attend_blocks<kv_t>(s, q, key_cache.data_ptr<kv_t>(), value_cache.data_ptr<kv_t>(),
+      attend_blocks<HEAD, kv_t>(s, q, key_cache.data_ptr<kv_t>(), value_cache.data_ptr<kv_t>(),
                           table + r * block_table.stride(0), range.first, range.end, lens[r],
                           item + 1 < end ? first_block(item + 1) : -1, part, m, m + s.num_heads);
     }
@@ -240,8 +231,8 @@ at::Tensor decode_attention_cpu(const at::Tensor& query, const at::Tensor& key_c
   const int64_t num_heads = query.size(1), head_size = query.size(2);
   const int64_t num_kv_heads = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == head_size && num_heads % num_kv_heads == 0 &&
-              num_heads <= kMaxHeads && head_size <= kMaxHeadSize &&
-              head_size % (2 * Vec::size()) == 0 && key_cache.size(1) <= kMaxBlockSize,
+              num_heads <= kMaxHeads && std::count(kHeadSizes, std::end(kHeadSizes), head_size) &&
+              key_cache.size(1) <= kMaxBlockSize,
               "unsupported attention shape: heads ", num_heads, ", kv heads ", num_kv_heads,
               ", head size ", head_size, ", block size ", key_cache.size(1));
   TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
@@ -259,7 +250,17 @@ at::Tensor decode_attention_cpu(const at::Tensor& query, const at::Tensor& key_c
   auto run = [&](auto q_tag, auto kv_tag) {
     using q_t = decltype(q_tag);
     using kv_t = decltype(kv_tag);
-    std::apply([&](const auto&... a) { decode_attention_kernel<q_t, kv_t>(a..., scale, out); }, args);
+    auto with_head = [&](auto head) {
+      std::apply([&](const auto&... a) {
+        decode_attention_kernel<q_t, kv_t, decltype(head)::value>(a..., scale, out);
+      }, args);
+    };
+    switch (head_size) {
+      case 32: with_head(std::integral_constant<int, 32>{}); break;
+      case 64: with_head(std::integral_constant<int, 64>{}); break;
+      case 128: with_head(std::integral_constant<int, 128>{}); break;
+      default: with_head(std::integral_constant<int, 256>{}); break;
+    }
   };
   if (q_bf16 && kv_bf16) run(at::BFloat16{}, at::BFloat16{});
   else if (q_bf16) run(at::BFloat16{}, float{});
