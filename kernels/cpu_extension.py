@@ -25,7 +25,8 @@ import torch
 from torch.utils import cpp_extension
 
 logger = logging.getLogger(__name__)
-SOURCES = (Path(__file__).parent / "csrc" / "decode_attention_cpu.cpp",)
+SOURCES = tuple(Path(__file__).parent / "csrc" / name
+                for name in ("decode_attention_cpu.cpp", "int8_linear_cpu.cpp"))
 # torch's capability -> compiler flags for ATen's vector types (as inductor's VecISA).
 _ISA_FLAGS = {
     "AVX512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl",
@@ -96,3 +97,10 @@ def _register_fake_kernels() -> None:
                               value_cache: torch.Tensor, block_table: torch.Tensor,
                               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
         return query.new_empty(query.shape)
+
+    if hasattr(torch.ops.kvmesh, "int8_linear_cpu"):  # AVX-512 builds only
+
+        @torch.library.register_fake("kvmesh::int8_linear_cpu")
+        def _int8_linear_cpu(x: torch.Tensor, qweight: torch.Tensor,
+                             scales: torch.Tensor) -> torch.Tensor:
+            return x.new_empty(x.shape[0], qweight.shape[0])

@@ -1,9 +1,10 @@
-"""Weight-only int8 linear layers (``quantization="int8"``) on torch's CPU int8 kernel.
+"""Weight-only int8 linear layers (``quantization="int8"``) on the CPU.
 
 Each output channel (weight row) gets one scale, ``absmax(row) / 127``, and
 its weights are rounded to int8 in [-127, 127]. Activations stay in the
-model's dtype: ``torch._weight_int8pack_mm`` dequantizes inside the GEMM, so
-a decode step reads half the bytes of bfloat16 weights. Large batches
+model's dtype: the int8 GEMV (`kernels.int8_linear_cpu`: kvmesh's C++ kernel,
+else ``torch._weight_int8pack_mm``) converts inside the product, so a decode
+step reads half the bytes of bfloat16 weights. Large batches
 (prefill) are compute-bound, where torch's blocked bfloat16/float32 GEMM is
 faster than the int8 kernel: those dequantize the weight once per call.
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels.int8_linear_cpu import int8_linear
 
 INT8_MAX = 127
 # Rows of activations from which dequantize-then-GEMM beats the int8 kernel
@@ -69,7 +72,7 @@ class Int8Linear(nn.Module):
         if rows.shape[0] >= DEQUANTIZE_MIN_ROWS or not self.use_int8_kernel:
             out = F.linear(rows, self.qweight.to(rows.dtype) * self.scales[:, None], self.bias)
         else:
-            out = torch._weight_int8pack_mm(rows.contiguous(), self.qweight, self.scales)
+            out = int8_linear(rows.contiguous(), self.qweight, self.scales)
             if self.bias is not None:
                 out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)

@@ -1,0 +1,99 @@
+// kvmesh::int8_linear_cpu: weight-only int8 linear for a few rows (decode), on AVX-512.
+//
+// out[m, n] = scales[n] * sum_k x[m, k] * qweight[n, k], the product torch's
+// `_weight_int8pack_mm` computes (its reference). Decode reads every weight once per
+// step, so the kernel is a stream over the int8 rows: each thread takes one
+// contiguous range of rows (one memory stream, which the hardware prefetcher
+// follows), eight rows at a time with eight independent float32 accumulators per
+// activation row, so the FMAs do not wait on each other. Every activation row is
+// converted to float32 once. Only built for AVX-512; elsewhere torch's kernel serves.
+//
+// Built at run time by kernels/cpu_extension.py with the C++ compiler inductor uses.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+
+#include <algorithm>
+
+namespace {
+
+constexpr int64_t kRows = 8;  // weight rows per inner loop
+constexpr int64_t kLanes = 16;  // floats per AVX-512 vector
+
+// out[r] = dot(x, w row r) for R consecutive rows of `w` (row length K).
+template <int64_t R>
+inline void dot_rows(const float* x, const int8_t* w, int64_t K, float* out) {
+  __m512 acc[R];
+  for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += kLanes) {
+    const __m512 xv = _mm512_loadu_ps(x + k);
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < R; ++r) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * K + k));
+      acc[r] = _mm512_fmadd_ps(xv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+template <typename scalar_t>
+void int8_linear_kernel(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  const at::Tensor x_float = x.to(at::kFloat).contiguous();
+  const float* xf = x_float.data_ptr<float>();
+  const int8_t* w = qweight.data_ptr<int8_t>();
+  const scalar_t* s = scales.data_ptr<scalar_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int64_t num_groups = (N + kRows - 1) / kRows;
+  const int64_t per_thread = (num_groups + at::get_num_threads() - 1) / at::get_num_threads();
+  at::parallel_for(0, num_groups, per_thread, [&](int64_t begin, int64_t end) {
+    float dots[kRows];
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * kRows, rows = std::min(kRows, N - n0);
+      for (int64_t m = 0; m < M; ++m) {  // the group's weights stay in L1 across rows of x
+        if (rows == kRows) {
+          dot_rows<kRows>(xf + m * K, w + n0 * K, K, dots);
+        } else {
+          for (int64_t r = 0; r < rows; ++r) dot_rows<1>(xf + m * K, w + (n0 + r) * K, K, dots + r);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          o[m * N + n0 + r] = static_cast<scalar_t>(dots[r] * static_cast<float>(s[n0 + r]));
+        }
+      }
+    }
+  });
+}
+
+at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
+                           const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && qweight.is_contiguous() &&
+              qweight.scalar_type() == at::kChar && x.size(1) == qweight.size(1) &&
+              x.size(1) % kLanes == 0,
+              "x must be [M, K] and qweight int8 [N, K] with K a multiple of ", kLanes);
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "x must be float32 or bfloat16");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == qweight.size(0) && scales.is_contiguous() &&
+              scales.scalar_type() == x.scalar_type(), "scales must be [N] in x's dtype");
+  auto out = at::empty({x.size(0), qweight.size(0)}, x.options());
+  if (x.scalar_type() == at::kBFloat16) {
+    int8_linear_kernel<at::BFloat16>(x, qweight, scales, out);
+  } else {
+    int8_linear_kernel<float>(x, qweight, scales, out);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
+  m.def("int8_linear_cpu(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
+  m.impl("int8_linear_cpu", &int8_linear_cpu);
+}
+#endif  // CPU_CAPABILITY_AVX512
