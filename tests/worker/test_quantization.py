@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 from services.worker.attention import AttentionMetadata
 from services.worker.config import WorkerConfig
+from services.worker.layers import quantization
 from services.worker.layers.quantization import (
     DEQUANTIZE_MIN_ROWS,
     INT8_KERNEL_K_MULTIPLE,
@@ -61,6 +62,19 @@ def test_int8_linear_matches_its_dequantized_weight(dtype: torch.dtype, num_rows
     # bfloat16 rounds the output (values up to ~30 here) to 8 mantissa bits.
     tolerance = 1e-4 if dtype == torch.float32 else 0.25
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=0.01)
+
+
+def test_dequantized_gemm_in_chunks_of_output_channels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many rows dequantize a chunk of channels at a time (the LM head: 49,152 of them);
+    the result is the one-chunk GEMM's, bias included."""
+    gen = torch.Generator().manual_seed(2)
+    layer = Int8Linear.from_float(torch.randn(40, 64, generator=gen),
+                                  torch.randn(40, generator=gen), torch.bfloat16)
+    x = torch.randn(DEQUANTIZE_MIN_ROWS, 64, generator=gen).to(torch.bfloat16)
+    whole = layer(x)
+    # 64 bfloat16 inputs are 128 bytes a channel: chunks of 7, the last one of 5.
+    monkeypatch.setattr(quantization, "_DEQUANTIZE_CHUNK_BYTES", 7 * 128)
+    assert torch.equal(layer(x), whole)
 
 
 def test_quantize_linears_replaces_every_linear() -> None:

@@ -25,6 +25,8 @@ DEQUANTIZE_MIN_ROWS = 32
 # not a multiple of its block it returns garbage (torch 2.13), so such layers
 # always take the dequantize path.
 INT8_KERNEL_K_MULTIPLE = 32
+# The largest dequantized weight (bytes) a dequantize-then-GEMM call materializes.
+_DEQUANTIZE_CHUNK_BYTES = 8 << 20
 
 
 def quantize_per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,12 +72,24 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] >= DEQUANTIZE_MIN_ROWS or not self.use_int8_kernel:
-            out = F.linear(rows, self.qweight.to(rows.dtype) * self.scales[:, None], self.bias)
+            out = self._dequantized_linear(rows)
         else:
             out = int8_linear(rows.contiguous(), self.qweight, self.scales)
             if self.bias is not None:
                 out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
+
+    def _dequantized_linear(self, rows: torch.Tensor) -> torch.Tensor:
+        """The GEMM on the weight dequantized to ``rows``' dtype, a chunk of output
+        channels at a time: a temporary weight above glibc's largest mmap threshold
+        (32 MB: the LM head's is 56 MB in bfloat16) is mapped afresh on every call,
+        and its page faults took 3x the GEMM's own time."""
+        chunk = max(1, _DEQUANTIZE_CHUNK_BYTES // (self.in_features * rows.element_size()))
+        outs = [F.linear(rows, self.qweight[start:start + chunk].to(rows.dtype)
+                         * self.scales[start:start + chunk, None])
+                for start in range(0, self.out_features, chunk)]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weight-only"
