@@ -199,12 +199,12 @@ class ModelRunner:
         return True
 
     def _init_logits_buffers(self, max_num_reqs: int, model_config: ModelConfig) -> None:
-        """The LM head's output (model dtype) and the sampler's float32 logits, allocated
-        once: a step never allocates a vocabulary-sized buffer of its own."""
-        shape = (max_num_reqs, model_config.vocab_size)
-        self.logits = torch.empty(shape, dtype=torch.float32, device=self.device)
-        self.head_logits = (self.logits if model_config.dtype == torch.float32
-                            else torch.empty(shape, dtype=model_config.dtype, device=self.device))
+        """The sampler's float32 logits, allocated once. The LM head writes into them:
+        straight from its GEMM where it can (a float32 head), else through the one
+        [rows, vocab] result its kernel returns (oneDNN's and the int8 GEMMs have no
+        ``out`` form), converted in a single copy."""
+        self.logits = torch.empty((max_num_reqs, model_config.vocab_size), dtype=torch.float32,
+                                  device=self.device)
 
     def _init_cudagraphs(self, requested: CUDAGraphMode, capture_sizes: list[int]) -> None:
         """Resolves the mode, builds the dispatcher and wraps the model (nothing captured yet)."""
@@ -613,17 +613,12 @@ class ModelRunner:
         rows = np.flatnonzero(sampled)
         logits = self.logits[:num_reqs]
         if rows.size == num_reqs:
-            head = self.head_logits[:num_reqs]
-            self.model.compute_logits(hidden_states[logits_indices], out=head)
-            return logits if self.head_logits is self.logits else logits.copy_(head)
+            return self.model.compute_logits(hidden_states[logits_indices], out=logits)
         # Mixed step: the kept rows' logits go to the buffer's first rows, then each
         # moves down to its batch row. rows[i] >= i, so moving from the last row on
         # never overwrites a row still to be moved.
-        head = self.head_logits[: rows.size]
         row_ids = torch.from_numpy(rows).to(self.device)
-        self.model.compute_logits(hidden_states[logits_indices[row_ids]], out=head)
-        if self.head_logits is not self.logits:
-            logits[: rows.size].copy_(head)
+        self.model.compute_logits(hidden_states[logits_indices[row_ids]], out=logits[: rows.size])
         for i in reversed(range(rows.size)):
             if rows[i] != i:
                 logits[rows[i]] = logits[i]

@@ -298,9 +298,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor,
                        out: torch.Tensor | None = None) -> torch.Tensor:
         """[n, hidden_size] -> logits [n, vocab_size]: float32, or written into ``out``
-        (any float dtype) when given, which spares a vocabulary-sized allocation per
-        step where the head's dtype matches (the int8 and prepacked kernels have no
-        ``out`` form)."""
+        (any float dtype) when given. A plain head of ``out``'s dtype writes straight
+        into it; the others (int8, prepacked: their kernels have no ``out`` form; or
+        a dtype change) return their own [n, vocab_size] result, copied in."""
         if isinstance(self.lm_head, (Int8Linear, PackedLinear)):
             logits = self.lm_head(hidden_states)
         elif out is not None and out.dtype == hidden_states.dtype:
