@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels.cpu_extension import load_cpu_kernels
 from services.common.max_model_len import resolve_max_model_len
 from services.common.model_files import DEFAULT_MODEL_NAME, resolve_model_dir
 from services.common.model_runner_output import ModelRunnerOutput
@@ -82,6 +83,9 @@ class Worker:
             self.model_config = ModelConfig.from_pretrained(model_dir, self.config.dtype,
                                                             self.device)
         else:
+            if self.device.type == "cpu":
+                # Built (once per machine) before registration, not in a first request.
+                load_cpu_kernels()
             self.model, self.model_config = load_model(model_dir, self.config.dtype, self.device,
                                                        self.config.quantization)
         self.max_model_len = resolve_max_model_len(self.model_config.max_model_len,
