@@ -41,3 +41,13 @@ def default_model_dir() -> Path:
     from services.common.model_files import resolve_model_dir
 
     return resolve_model_dir()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_built() -> None:
+    """kvmesh's C++ CPU kernels, built (if not yet on this machine) before the first
+    test, so that the worker processes the tests start load them rather than each
+    building them at once."""
+    from kernels.cpu_extension import load_cpu_kernels
+
+    load_cpu_kernels()
