@@ -5,7 +5,7 @@ padded buffer and attends in float32. On the CPU that copy, made on every layer 
 decode step, costs more than the attention itself. Here a decode query (q_len == 1)
 reads each key and value through the block table where it lies in the cache, with a
 float32 softmax: in kvmesh's C++ kernel (``kvmesh::decode_attention_cpu``, built at
-run time by `kernels.cpu_extension`; 2.5-6x faster) where it serves the shapes, else
+run time by `kernels.cpu_extension`; 3-6x faster) where it serves the shapes, else
 in `decode_attention`, a torch function compiled by inductor into one loop nest (an
 indirect load fused into the dot products), which is also the C++ kernel's
 reference. Requests with several queries (prefill, chunked prefill) gather

@@ -3,9 +3,9 @@
 ``F.linear`` on the CPU hands oneDNN (bfloat16) or MKL (float32) a plain
 row-major weight, which oneDNN reorders into its blocked layout on every call
 and MKL runs without AVX-512 on some CPUs. Reordered once at start-up, as
-inductor's weight prepacking does under freezing, the same products run 1.5-4x
-faster (decode GEMVs read the weights near memory bandwidth). The result is
-bit-identical in bfloat16 and differs in float32 only by summation order.
+inductor's weight prepacking does under freezing, the same products ran 1.2-4x
+faster on the benchmark machine (decode GEMVs most, float32 everywhere). The
+result is bit-identical in bfloat16 and differs in float32 only by summation order.
 
 Layers call the kernel through the custom op ``kvmesh::onednn_linear``, which
 inductor lowers to a direct call of oneDNN's kernel: inductor's own lowering of
@@ -25,7 +25,8 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 @torch.library.custom_op("kvmesh::onednn_linear", mutates_args=())
 def onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor,
                   bias: torch.Tensor | None) -> torch.Tensor:
-    """``x`` [M, in] @ weight.T + bias, with ``packed_weight`` from ``pack_weight``."""
+    """``x`` [M, in] @ weight.T + bias, where ``packed_weight`` is the weight as
+    ``torch.ops.mkldnn._reorder_linear_weight`` laid it out (a ``PackedLinear``'s)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
