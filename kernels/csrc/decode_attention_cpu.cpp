@@ -62,7 +62,7 @@ inline void prefetch(const void* ptr, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
 }
 
-// The block each work item starts with: a request's blocks cut into `num_splits`
+// A work item's blocks [first, end): its request's blocks cut into `num_splits`
 // equal ranges of whole blocks (the last ones may be empty).
 struct Split {
   int64_t first, end;
@@ -189,8 +189,9 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& key_cach
       float* part = parts.data() + item * part_size;
       float* m = part + s.num_heads * s.head_size;
       attend_blocks<HEAD, kv_t>(s, q, key_cache.data_ptr<kv_t>(), value_cache.data_ptr<kv_t>(),
-                          table + r * block_table.stride(0), range.first, range.end, lens[r],
-                          item + 1 < end ? first_block(item + 1) : -1, part, m, m + s.num_heads);
+                                table + r * block_table.stride(0), range.first, range.end,
+                                lens[r], item + 1 < end ? first_block(item + 1) : -1, part, m,
+                                m + s.num_heads);
     }
   });
   q_t* out_ptr = out.data_ptr<q_t>();
@@ -217,6 +218,24 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& key_cach
   });
 }
 
+// Every block a request reads is in the cache, and every length fits its table row:
+// the kernel reads raw memory, so a bad id must fail here rather than read out of
+// bounds. (O(blocks read), next to the attention's O(blocks x block size x heads).)
+void check_block_table(const at::Tensor& block_table, const at::Tensor& seq_lens,
+                       int64_t num_blocks, int64_t block_size) {
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  for (int64_t r = 0; r < block_table.size(0); ++r) {
+    TORCH_CHECK(lens[r] >= 1 && lens[r] <= block_table.size(1) * block_size, "seq_lens[", r,
+                "] = ", lens[r], " is outside [1, ", block_table.size(1) * block_size, "]");
+    for (int64_t b = 0; b < (lens[r] + block_size - 1) / block_size; ++b) {
+      const int32_t id = table[r * block_table.stride(0) + b];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "block_table[", r, ", ", b, "] = ", id,
+                  " is outside [0, ", num_blocks, ")");
+    }
+  }
+}
+
 at::Tensor decode_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache,
                                 const at::Tensor& value_cache, const at::Tensor& block_table,
                                 const at::Tensor& seq_lens, double scale) {
@@ -239,6 +258,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& query, const at::Tensor& key_c
               block_table.dim() == 2 && block_table.stride(1) == 1 && seq_lens.is_contiguous() &&
               block_table.size(0) == query.size(0) && seq_lens.size(0) == query.size(0),
               "block_table must be int32 [num_reqs, blocks] and seq_lens int32 [num_reqs]");
+  check_block_table(block_table, seq_lens, key_cache.size(0), key_cache.size(1));
   auto out = at::empty({query.size(0), num_heads, head_size}, query.options());
   if (query.size(0) == 0) return out;
   const auto kv_type = key_cache.scalar_type();

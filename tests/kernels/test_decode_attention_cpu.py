@@ -69,6 +69,15 @@ def test_bad_shapes_are_refused_by_the_kernel_itself() -> None:
     with pytest.raises(RuntimeError, match="block_table must be int32"):
         torch.ops.kvmesh.decode_attention_cpu(query, key_cache, value_cache, block_table.long(),
                                               seq_lens, 0.2)
+    bad_table = block_table.clone()
+    bad_table[0, 0] = key_cache.shape[0]
+    with pytest.raises(RuntimeError, match=r"block_table\[0, 0\] = \d+ is outside \[0, "):
+        torch.ops.kvmesh.decode_attention_cpu(query, key_cache, value_cache, bad_table,
+                                              seq_lens, 0.2)
+    too_long = torch.full_like(seq_lens, block_table.shape[1] * 16 + 1)
+    with pytest.raises(RuntimeError, match=r"seq_lens\[0\] = \d+ is outside \[1, "):
+        torch.ops.kvmesh.decode_attention_cpu(query, key_cache, value_cache, block_table,
+                                              too_long, 0.2)
     _, key_cache, value_cache, _, _ = _batch([3], 16, 3, 3, 64, F32, F32, 4)
     with pytest.raises(RuntimeError, match="unsupported attention shape: heads 4, kv heads 3"):
         torch.ops.kvmesh.decode_attention_cpu(query, key_cache, value_cache, block_table,
