@@ -15,6 +15,8 @@ would keep the compiled artefacts out of the on-disk cache.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -36,6 +38,7 @@ def _onednn_linear_fake(x: torch.Tensor, packed_weight: torch.Tensor,
     return x.new_empty(x.shape[0], packed_weight.shape[0])
 
 
+@functools.cache  # once per process; on first use, as importing inductor takes ~1.5 s
 def _register_inductor_lowering() -> None:
     """Compiled graphs call oneDNN's kernel itself, as an extern kernel, rather than
     the custom op's Python body (5 us a call, 121 calls a decode step)."""
@@ -47,9 +50,6 @@ def _register_inductor_lowering() -> None:
     @register_lowering(torch.ops.kvmesh.onednn_linear, type_promotion_kind=None)
     def _lower(x, packed_weight, bias):  # noqa: ANN001, ANN202 (inductor's IR nodes)
         return call_onednn(x, packed_weight, bias, "none", [], "")
-
-
-_register_inductor_lowering()
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -77,6 +77,7 @@ class PackedLinear(nn.Module):
                              f"{' or '.join(map(str, PACKABLE_DTYPES))} (bfloat16 only where "
                              f"oneDNN supports it), got {weight.dtype} {tuple(weight.shape)} "
                              f"on {weight.device}")
+        _register_inductor_lowering()  # before any graph that calls this layer compiles
         self.out_features, self.in_features = weight.shape
         self.register_buffer("packed_weight",
                              torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous()))
