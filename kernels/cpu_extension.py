@@ -88,6 +88,14 @@ def load_cpu_kernels() -> bool:
     return True
 
 
+@torch.compiler.assume_constant_result
+def has_cpu_kernel(name: str) -> bool:
+    """Whether ``torch.ops.kvmesh.<name>`` is loaded (building the kernels first if
+    needed). A constant to torch.compile: evaluated eagerly while tracing, so a graph
+    calls the C++ op or its torch fallback, never both."""
+    return load_cpu_kernels() and hasattr(torch.ops.kvmesh, name)
+
+
 @functools.cache  # once per process, even if the library is loaded again
 def _register_fake_kernels() -> None:
     """Output shapes for torch.compile's tracing of the C++ ops."""

@@ -12,22 +12,16 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_extension import load_cpu_kernels
+from kernels.cpu_extension import has_cpu_kernel
 
 # The C++ kernel converts int8 in vectors of 16.
 _CPU_KERNEL_K_MULTIPLE = 16
-
-
-@torch.compiler.assume_constant_result
-def _cpu_kernel_loaded() -> bool:
-    # A constant to torch.compile: called (and the kernels built) eagerly while tracing.
-    return load_cpu_kernels() and hasattr(torch.ops.kvmesh, "int8_linear_cpu")
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x`` [M, K] (float32 or bfloat16, contiguous) @ (``qweight`` int8 [N, K] *
     ``scales`` [N, 1]).T -> [M, N] in ``x``'s dtype; ``scales`` in ``x``'s dtype."""
     if (x.dtype in (torch.float32, torch.bfloat16) and x.shape[1] % _CPU_KERNEL_K_MULTIPLE == 0
-            and _cpu_kernel_loaded()):
+            and has_cpu_kernel("int8_linear_cpu")):
         return torch.ops.kvmesh.int8_linear_cpu(x, qweight, scales)
     return torch._weight_int8pack_mm(x, qweight, scales)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_extension import load_cpu_kernels
+from kernels.cpu_extension import has_cpu_kernel
 from kernels.paged_attention import (
     PagedAttentionPlan,
     _check_shapes,
@@ -103,19 +103,14 @@ _CPU_KERNEL_HEAD_SIZES = (32, 64, 128, 256)
 _CPU_KERNEL_MAX_HEADS, _CPU_KERNEL_MAX_BLOCK_SIZE = 128, 64
 
 
-@torch.compiler.assume_constant_result
-def _cpu_kernel_loaded() -> bool:
-    # A constant to torch.compile: called (and the kernel built) eagerly while tracing.
-    return load_cpu_kernels()
-
-
 def uses_cpu_kernel(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """Whether decode attention on ``query`` [num_reqs, num_heads, head_size] and a cache
     like ``key_cache`` runs kvmesh's C++ kernel (else `decode_attention`)."""
     num_heads, head_size = query.shape[1:]
     return (query.dtype in _CPU_KERNEL_DTYPES and key_cache.dtype in _CPU_KERNEL_DTYPES
             and num_heads <= _CPU_KERNEL_MAX_HEADS and head_size in _CPU_KERNEL_HEAD_SIZES
-            and key_cache.shape[1] <= _CPU_KERNEL_MAX_BLOCK_SIZE and _cpu_kernel_loaded())
+            and key_cache.shape[1] <= _CPU_KERNEL_MAX_BLOCK_SIZE
+            and has_cpu_kernel("decode_attention_cpu"))
 
 
 @functools.cache

@@ -9,9 +9,8 @@ import torch
 from kernels import cpu_extension, int8_linear_cpu
 from kernels.int8_linear_cpu import int8_linear
 
-pytestmark = pytest.mark.skipif(
-    not (cpu_extension.load_cpu_kernels() and hasattr(torch.ops.kvmesh, "int8_linear_cpu")),
-    reason="kvmesh's int8 kernel is built for AVX-512 CPUs only")
+pytestmark = pytest.mark.skipif(not cpu_extension.has_cpu_kernel("int8_linear_cpu"),
+                                reason="kvmesh's int8 kernel is built for AVX-512 CPUs only")
 
 
 def _operands(num_rows: int, out_features: int, in_features: int, dtype: torch.dtype, seed: int):
@@ -48,5 +47,5 @@ def test_bad_operands_are_refused() -> None:
 
 def test_without_the_kernel_torch_serves(monkeypatch: pytest.MonkeyPatch) -> None:
     x, qweight, scales = _operands(2, 40, 64, torch.bfloat16, seed=1)
-    monkeypatch.setattr(int8_linear_cpu, "_cpu_kernel_loaded", lambda: False)
+    monkeypatch.setattr(int8_linear_cpu, "has_cpu_kernel", lambda name: False)
     assert torch.equal(int8_linear(x, qweight, scales), torch._weight_int8pack_mm(x, qweight, scales))
