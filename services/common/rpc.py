@@ -16,6 +16,13 @@ from google.protobuf.message import DecodeError
 # Prompt logprobs of long prompts are the big messages.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
+# The grpc.health.v1 service name every server reports as SERVING once its own
+# start-up is done (listening; the frontend's tokenizer, the worker's model
+# loaded) and until it drains, whatever its peers do: what a liveness probe
+# asks. The whole-server status "" says whether it can serve, peers included
+# (readiness), so a frontend whose scheduler is away is not restarted for it.
+LIVENESS_SERVICE = "liveness"
+
 # Invocation metadata a worker sends with WorkerStream: the id of its KV cache
 # allocation (see services/scheduler/worker_stores.py). Not a proto field
 # because it describes the connection's peer, not a message.

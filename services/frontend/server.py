@@ -30,7 +30,7 @@ from kvmesh.v1 import api_pb2, api_pb2_grpc
 
 from services.common.model_files import resolve_model_dir
 from services.common.process import configure_logging, wait_for_shutdown_signal
-from services.common.rpc import SERVER_OPTIONS, DecodeErrorInterceptor
+from services.common.rpc import LIVENESS_SERVICE, SERVER_OPTIONS, DecodeErrorInterceptor
 from services.common.security import add_security_args, bind, read_cluster_secret, tls_from_args
 from services.frontend import api_convert
 from services.frontend.async_llm import AsyncLLM, RequestFailedError
@@ -225,9 +225,11 @@ class FrontendServer:
     async def start(self) -> None:
         """Listens (NOT_SERVING), loads the tokenizer, starts the scheduler stream.
 
-        Health turns SERVING when the stream is up; this returns before that.
+        Liveness turns SERVING once the tokenizer is loaded; health ("") when
+        the stream is up and the cluster can serve, after this returns.
         """
         await self._set_serving(False)
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         if self.http is not None:
             await self.http.start()
@@ -245,6 +247,7 @@ class FrontendServer:
         engine.attach(self.engine_core)
         self.servicer.ready(engine, model_info, self.engine_core)
         self.engine_core.start()
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         self._health_task = asyncio.create_task(self._watch_health(engine),
                                                 name="frontend-health")
         logger.info("event=frontend_loaded model=%s max_model_len=%d vocab_size=%d scheduler=%s",

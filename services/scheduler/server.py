@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.process import configure_logging, wait_for_shutdown_signal
 from services.common.prometheus import MetricsServer
-from services.common.rpc import SERVER_OPTIONS, DecodeErrorInterceptor
+from services.common.rpc import LIVENESS_SERVICE, SERVER_OPTIONS, DecodeErrorInterceptor
 from services.common.security import (
     ClusterSecretInterceptor,
     TlsConfig,
@@ -68,14 +68,14 @@ class SchedulerServer:
         return f"{self.config.host}:{self.port}"
 
     async def start(self) -> None:
-        """Binds and starts serving; health turns SERVING once listening."""
+        """Binds and starts serving; health (liveness too) turns SERVING once listening."""
         self.port = bind(self._server, f"{self.config.host}:{self.config.port}", self.config.tls)
         if self.port == 0:
             raise OSError(f"could not bind {self.config.host}:{self.config.port}")
         await self._server.start()
         if self.metrics_server is not None:
             await self.metrics_server.start()
-        for service in ("", ENGINE_CORE_SERVICE):
+        for service in ("", ENGINE_CORE_SERVICE, LIVENESS_SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         logger.info("event=scheduler_serving address=%s redis=%s tls=%s cluster_secret=%s",
                     self.address, "yes" if self.config.redis_url else "in-memory",

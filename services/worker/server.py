@@ -37,7 +37,7 @@ from services.common.convert import (
 from services.common.limits import SchedulingLimits
 from services.common.process import SHUTDOWN_SIGNALS, configure_logging
 from services.common.prometheus import MetricsServer
-from services.common.rpc import CHANNEL_OPTIONS, KV_CACHE_ID_METADATA_KEY
+from services.common.rpc import CHANNEL_OPTIONS, KV_CACHE_ID_METADATA_KEY, LIVENESS_SERVICE
 from services.common.security import (
     add_security_args,
     aio_channel,
@@ -116,6 +116,7 @@ class WorkerService:
             logger.info("event=worker_loading worker=%s model=%s", self.config.worker_id,
                         self.config.worker.model)
             num_blocks = await asyncio.to_thread(self._load)
+            await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
             self.metrics.bind(self.worker.model_name, num_blocks)
             self.pipeline = StepPipeline(self.worker, self._observe_step)
             logger.info("event=worker_loaded worker=%s num_blocks=%d", self.config.worker_id, num_blocks)
@@ -151,7 +152,8 @@ class WorkerService:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         self.health_port = server.add_insecure_port(f"{self.config.health_host}:{self.config.health_port}")
-        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in ("", LIVENESS_SERVICE):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         return server
 

@@ -435,6 +435,8 @@ def test_scheduler_restart_loses_nothing_greedy_and_seeded(loop, model_dir):
             # dials the new one, the frontend resubmits what it holds.
             await scheduler.stop(0.0, drain_workers=False)
             seen["health_lost"] = await health_becomes(frontend.address, "NOT_SERVING")
+            seen["liveness_lost"] = await asyncio.to_thread(
+                check_health, frontend.address, "liveness")
             scheduler = await start_scheduler(port=port)
             await frontend.engine_core.wait_connected(10)
             seen["health_again"] = await health_becomes(frontend.address, "SERVING")
@@ -453,6 +455,7 @@ def test_scheduler_restart_loses_nothing_greedy_and_seeded(loop, model_dir):
     assert seen["before"].code() == grpc.StatusCode.UNAVAILABLE
     assert seen["health_connected"] == "SERVING"
     assert seen["health_lost"] == "NOT_SERVING"
+    assert seen["liveness_lost"] == "SERVING"  # not ready, but alive: not to be restarted
     assert seen["health_again"] == "SERVING"
     for name in ("greedy", "seeded"):
         chunks = seen["chunks"][name]

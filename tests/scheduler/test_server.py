@@ -86,13 +86,14 @@ def test_greedy_tokens_equal_in_process_engine(model_dir, async_scheduling):
 def test_health_serving_and_reflection_lists_engine_core():
     async def scenario():
         server = await start_scheduler()
-        statuses = [await health_status(server.address, s) for s in ("", "kvmesh.v1.EngineCore")]
+        statuses = [await health_status(server.address, s)
+                    for s in ("", "kvmesh.v1.EngineCore", "liveness")]
         services = await reflection_services(server.address)
         await server.stop(0.1)
         return statuses, services
 
     statuses, services = run(scenario())
-    assert statuses == [SERVING, SERVING]
+    assert statuses == [SERVING, SERVING, SERVING]
     assert services == ["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
                         "kvmesh.v1.EngineCore"]
 

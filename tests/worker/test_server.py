@@ -82,6 +82,8 @@ def test_worker_waits_for_the_scheduler_then_registers_and_serves(model_dir):
         health_address = f"127.0.0.1:{worker.service.health_port}"
         await asyncio.sleep(0.3)
         before = await health_status(health_address)
+        # Loaded: alive (liveness), though it cannot serve without a scheduler.
+        alive = await health_status(health_address, "liveness")
         server = await start_scheduler(port=port)
         await wait_for_workers(server.address, ["w0"])
         after = await health_status(health_address)
@@ -89,10 +91,10 @@ def test_worker_waits_for_the_scheduler_then_registers_and_serves(model_dir):
         tokens, _ = await generate(server, request)
         await server.stop(1.0)
         await asyncio.wait_for(worker.task, 5)  # drained: run() returns
-        return before, after, stats, tokens
+        return before, alive, after, stats, tokens
 
-    before, after, stats, tokens = run(scenario())
-    assert (before, after) == (NOT_SERVING, SERVING)
+    before, alive, after, stats, tokens = run(scenario())
+    assert (before, alive, after) == (NOT_SERVING, SERVING, SERVING)
     assert (stats.worker_id, stats.num_total_blocks, stats.num_free_blocks) == (
         "w0", NUM_KV_BLOCKS - 1, NUM_KV_BLOCKS - 1)
     assert tokens == expected
