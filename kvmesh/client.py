@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import grpc
 from kvmesh.v1 import api_pb2, api_pb2_grpc, engine_pb2
 from services.common.rpc import CHANNEL_OPTIONS
+from services.common.security import TlsConfig, channel
 
 ChatMessage = Mapping[str, str]
 
@@ -55,10 +55,12 @@ class Client:
     ``timeout_s`` is the default deadline of every call (None: no deadline).
     """
 
-    def __init__(self, address: str, *, timeout_s: float | None = None) -> None:
+    def __init__(self, address: str, *, timeout_s: float | None = None,
+                 tls: TlsConfig | None = None) -> None:
+        """``tls``: dial over TLS, trusting ``tls.ca_file`` (None: the system's roots)."""
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = channel(address, tls, CHANNEL_OPTIONS)
         self._stub = api_pb2_grpc.GenerationStub(self._channel)
 
     def generate(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+from collections.abc import Sequence
 from pathlib import Path
 
 from cryptography import x509
@@ -30,7 +31,15 @@ def _write_cert(cert: x509.Certificate, path: Path) -> str:
     return str(path)
 
 
-def _certificate(subject: str, key, issuer: str, issuer_key, *, ca: bool) -> x509.Certificate:
+def _subject_alternative_name(host: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        return x509.DNSName(host)
+
+
+def _certificate(subject: str, key, issuer: str, issuer_key, *, ca: bool,
+                 hosts: Sequence[str] = ("localhost", "127.0.0.1")) -> x509.Certificate:
     now = datetime.datetime.now(datetime.timezone.utc)
     builder = (x509.CertificateBuilder()
                .subject_name(_name(subject)).issuer_name(_name(issuer))
@@ -40,9 +49,27 @@ def _certificate(subject: str, key, issuer: str, issuer_key, *, ca: bool) -> x50
                .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
     if not ca:
         builder = builder.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False)
+            [_subject_alternative_name(host) for host in hosts]), critical=False)
     return builder.sign(issuer_key, hashes.SHA256())
+
+
+class CertificateAuthority:
+    """A fresh CA in ``directory`` (ca.pem) that issues certificates on demand."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._key = ec.generate_private_key(ec.SECP256R1())
+        cert = _certificate("kvmesh test CA", self._key, "kvmesh test CA", self._key, ca=True)
+        self.ca_file = _write_cert(cert, directory / "ca.pem")
+
+    def issue(self, name: str, hosts: Sequence[str] = ("localhost", "127.0.0.1")) -> TlsConfig:
+        """A certificate naming ``hosts`` (DNS names or IP addresses), its key
+        and the CA: a TlsConfig to serve with (mutual TLS) or to dial with."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = _certificate(f"kvmesh {name}", key, "kvmesh test CA", self._key, ca=False,
+                            hosts=hosts)
+        return TlsConfig(_write_cert(cert, self.directory / f"{name}.pem"),
+                         _write_key(key, self.directory / f"{name}.key"), self.ca_file)
 
 
 def make_tls(directory: Path) -> tuple[TlsConfig, TlsConfig]:
@@ -52,13 +79,5 @@ def make_tls(directory: Path) -> tuple[TlsConfig, TlsConfig]:
     or dial on loopback; both carry the CA, so servers require client
     certificates (mutual TLS).
     """
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_cert = _certificate("kvmesh test CA", ca_key, "kvmesh test CA", ca_key, ca=True)
-    ca_file = _write_cert(ca_cert, directory / "ca.pem")
-    configs = []
-    for role in ("server", "client"):
-        key = ec.generate_private_key(ec.SECP256R1())
-        cert = _certificate(f"kvmesh {role}", key, "kvmesh test CA", ca_key, ca=False)
-        configs.append(TlsConfig(_write_cert(cert, directory / f"{role}.pem"),
-                                 _write_key(key, directory / f"{role}.key"), ca_file))
-    return configs[0], configs[1]
+    ca = CertificateAuthority(directory)
+    return ca.issue("server"), ca.issue("client")

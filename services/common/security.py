@@ -86,6 +86,14 @@ def aio_channel(address: str, tls: TlsConfig | None,
     return grpc.aio.secure_channel(address, tls.channel_credentials(), options=tuple(options))
 
 
+def channel(address: str, tls: TlsConfig | None,
+            options: Iterable[tuple[str, int]] = ()) -> grpc.Channel:
+    """A synchronous channel to ``address``, over TLS when configured."""
+    if tls is None:
+        return grpc.insecure_channel(address, options=tuple(options))
+    return grpc.secure_channel(address, tls.channel_credentials(), options=tuple(options))
+
+
 def read_cluster_secret(path: str | None) -> str | None:
     """The secret from ``path``, else from $KVMESH_CLUSTER_SECRET, else None (no check).
 

@@ -1,10 +1,16 @@
-"""Helpers for the end-to-end tests: tiny-model cluster configs, waiting, stats."""
+"""Helpers for the end-to-end tests: tiny-model cluster configs, waiting, stats,
+greedy streams run side by side."""
 
 from __future__ import annotations
 
+import random
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import grpc
 
 from kvmesh.client import Client
 from kvmesh.cluster import ClusterConfig
@@ -13,6 +19,8 @@ TINY_MAX_MODEL_LEN = 256
 TINY_NUM_KV_BLOCKS = 64  # including the null block
 TINY_MAX_NUM_SEQS = 4
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+# Long enough that a fault injected after the first token lands mid-generation.
+STREAM_MAX_TOKENS = 150
 # Clusters built for both ways of scheduling; the flag each one gives the scheduler.
 SCHEDULING_MODES = {"async": [], "sync": ["--no-async-scheduling"]}
 
@@ -49,3 +57,54 @@ def all_blocks_free(client: Client) -> bool:
         w.num_free_blocks == w.num_total_blocks and w.num_running_reqs == w.num_waiting_reqs == 0
         for w in client.stats().workers
     )
+
+
+def prompts(seed: int, count: int) -> list[list[int]]:
+    """``count`` random token-id prompts of 8 to 40 tokens."""
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 40000) for _ in range(rng.randint(8, 40))] for _ in range(count)]
+
+
+def reference(client: Client, token_prompts: list[list[int]],
+              max_tokens: int = STREAM_MAX_TOKENS) -> list[list[int]]:
+    """Each prompt's greedy output, undisturbed (run side by side)."""
+    with ThreadPoolExecutor(len(token_prompts)) as pool:
+        return list(pool.map(
+            lambda p: list(client.complete(token_ids=p, max_tokens=max_tokens, **GREEDY)
+                           .outputs[0].token_ids), token_prompts))
+
+
+class Streams:
+    """Greedy DELTA streams run in threads; ``started`` is set once each has a token."""
+
+    def __init__(self, client: Client, token_prompts: list[list[int]],
+                 max_tokens: int = STREAM_MAX_TOKENS) -> None:
+        self.tokens: list[list[int]] = [[] for _ in token_prompts]
+        self.errors: list[grpc.StatusCode | None] = [None] * len(token_prompts)
+        self._max_tokens = max_tokens
+        self._num_started = 0
+        self._lock = threading.Lock()
+        self.started = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(client, i, p))
+                         for i, p in enumerate(token_prompts)]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, client: Client, index: int, prompt: list[int]) -> None:
+        try:
+            for chunk in client.generate(token_ids=prompt, max_tokens=self._max_tokens,
+                                         **GREEDY):
+                first = not self.tokens[index]
+                self.tokens[index].extend(chunk.outputs[0].token_ids)
+                if first:
+                    with self._lock:
+                        self._num_started += 1
+                        if self._num_started == len(self.tokens):
+                            self.started.set()
+        except grpc.RpcError as e:
+            self.errors[index] = e.code()
+            self.started.set()
+
+    def join(self, timeout_s: float = 60) -> None:
+        for thread in self._threads:
+            thread.join(timeout_s)

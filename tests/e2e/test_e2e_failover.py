@@ -5,10 +5,7 @@ stream or a clean UNAVAILABLE, never a hang.
 
 from __future__ import annotations
 
-import random
 import signal
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -16,14 +13,14 @@ import pytest
 from kvmesh.client import Client
 from kvmesh.cluster import LocalCluster, ServiceProcess
 from tests.e2e.helpers import (
-    GREEDY,
     SCHEDULING_MODES,
+    Streams,
     all_blocks_free,
+    prompts,
+    reference,
     tiny_cluster_config,
     wait_for,
 )
-
-MAX_TOKENS = 150
 
 
 @pytest.fixture(scope="module", params=list(SCHEDULING_MODES))
@@ -32,51 +29,6 @@ def cluster(make_cluster, tiny_model_dir, tmp_path_factory, request) -> LocalClu
                                  num_workers=2, num_frontends=2)
     config.scheduler_args += SCHEDULING_MODES[request.param]
     return make_cluster(config)
-
-
-def prompts(seed: int, count: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1000, 40000) for _ in range(rng.randint(8, 40))] for _ in range(count)]
-
-
-def reference(client: Client, token_prompts: list[list[int]]) -> list[list[int]]:
-    with ThreadPoolExecutor(len(token_prompts)) as pool:
-        return list(pool.map(
-            lambda p: list(client.complete(token_ids=p, max_tokens=MAX_TOKENS, **GREEDY)
-                           .outputs[0].token_ids), token_prompts))
-
-
-class Streams:
-    """DELTA streams run in threads; ``started`` is set once each has a token."""
-
-    def __init__(self, client: Client, token_prompts: list[list[int]]) -> None:
-        self.tokens: list[list[int]] = [[] for _ in token_prompts]
-        self.errors: list[grpc.StatusCode | None] = [None] * len(token_prompts)
-        self._num_started = 0
-        self._lock = threading.Lock()
-        self.started = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(client, i, p))
-                         for i, p in enumerate(token_prompts)]
-        for thread in self._threads:
-            thread.start()
-
-    def _run(self, client: Client, index: int, prompt: list[int]) -> None:
-        try:
-            for chunk in client.generate(token_ids=prompt, max_tokens=MAX_TOKENS, **GREEDY):
-                first = not self.tokens[index]
-                self.tokens[index].extend(chunk.outputs[0].token_ids)
-                if first:
-                    with self._lock:
-                        self._num_started += 1
-                        if self._num_started == len(self.tokens):
-                            self.started.set()
-        except grpc.RpcError as e:
-            self.errors[index] = e.code()
-            self.started.set()
-
-    def join(self) -> None:
-        for thread in self._threads:
-            thread.join(60)
 
 
 def kill(process: ServiceProcess) -> None:

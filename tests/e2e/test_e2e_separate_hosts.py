@@ -1,0 +1,258 @@
+"""Services on separate hosts: Redis, the scheduler, two workers and a frontend,
+each in a network namespace of its own with its own address and hostname
+(tests/netns.py), finding each other by name, with mutual TLS on the internal
+plane and TLS on the public API from certificates naming each host's name and
+address. A worker cut off the network mid-generation fails over and every
+stream finishes unchanged; Redis cut off leaves serving untouched.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+
+from kvmesh.client import Client
+from kvmesh.cluster import ServiceProcess, stop_all
+from kvmesh.healthcheck import check_health
+from services.common.redis_server import valkey_server_binary
+from services.common.security import CLUSTER_SECRET_ENV, TlsConfig
+from tests.certs import CertificateAuthority
+from tests.e2e.helpers import (
+    TINY_MAX_MODEL_LEN,
+    Streams,
+    all_blocks_free,
+    prompts,
+    reference,
+    tiny_cluster_config,
+    wait_for,
+)
+from tests.netns import Host, VirtualNetwork, netns_unavailable_reason
+
+pytestmark = pytest.mark.skipif(netns_unavailable_reason() is not None,
+                                reason=str(netns_unavailable_reason()))
+
+DOMAIN = "kvmesh.test"
+REDIS_PORT, SCHEDULER_PORT, METRICS_PORT = 6379, 50052, 9400
+WORKER_HEALTH_PORT, FRONTEND_PORT, HTTP_PORT = 50053, 50051, 8000
+STARTUP_TIMEOUT_S = 180.0
+# A worker that does not answer a step for this long is declared lost.
+WORKER_STEP_TIMEOUT_S = 3
+
+
+@dataclass
+class SeparateHosts:
+    """The running cluster: one host per service, the processes, the TLS files."""
+
+    network: VirtualNetwork
+    hosts: dict[str, Host]
+    ca: CertificateAuthority
+    client_tls: TlsConfig
+    processes: dict[str, ServiceProcess] = field(default_factory=dict)
+
+    def address(self, name: str, port: int) -> str:
+        return f"{self.hosts[name].ip}:{port}"
+
+    def client(self) -> Client:
+        """A client of the frontend, over TLS, trusting the test CA alone."""
+        return Client(self.address("frontend", FRONTEND_PORT), timeout_s=120,
+                      tls=TlsConfig(ca_file=self.ca.ca_file))
+
+    def scheduler_metric(self, name: str) -> float:
+        """The sum of a metric's samples on the scheduler's /metrics."""
+        url = f"http://{self.address('scheduler', METRICS_PORT)}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        return sum(float(value) for value in
+                   re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def _fqdn(name: str) -> str:
+    return f"{name}.{DOMAIN}"
+
+
+def _tls_args(tls: TlsConfig) -> list[str]:
+    return ["--tls-cert", tls.cert_file, "--tls-key", tls.key_file, "--tls-ca", tls.ca_file]
+
+
+def _service_argv(name: str, tls: TlsConfig, model_dir: Path, redis_password: str) -> list[str]:
+    """The command line of ``name``'s service, addressing its peers by name."""
+    scheduler = f"{_fqdn('scheduler')}:{SCHEDULER_PORT}"
+    if name == "scheduler":
+        return [sys.executable, "-m", "services.scheduler.server", "--host", "0.0.0.0",
+                "--port", str(SCHEDULER_PORT), "--metrics-port", str(METRICS_PORT),
+                "--redis-url", f"redis://:{redis_password}@{_fqdn('redis')}:{REDIS_PORT}/0",
+                "--max-num-seqs", "4", "--worker-step-timeout-s", str(WORKER_STEP_TIMEOUT_S),
+                *_tls_args(tls)]
+    model_args = ["--model", str(model_dir), "--max-model-len", str(TINY_MAX_MODEL_LEN)]
+    if name.startswith("worker"):
+        worker_args = tiny_cluster_config(model_dir, Path()).worker_args
+        return [sys.executable, "-m", "services.worker.server", "--scheduler-address", scheduler,
+                "--worker-id", name, "--health-host", "0.0.0.0",
+                "--health-port", str(WORKER_HEALTH_PORT), *model_args, *worker_args,
+                *_tls_args(tls)]
+    return [sys.executable, "-m", "services.frontend.server", "--host", "0.0.0.0",
+            "--port", str(FRONTEND_PORT), "--http-port", str(HTTP_PORT),
+            "--scheduler-address", scheduler, *model_args, *_tls_args(tls)]
+
+
+def _wait_serving(process: ServiceProcess, tls: TlsConfig | None) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    status = ""
+    while time.monotonic() < deadline:
+        if not process.alive():
+            raise RuntimeError(f"{process.name} exited before serving\n{process.log_tail()}")
+        status = check_health(process.health_address, timeout_s=1.0, tls=tls)
+        if status == "SERVING":
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{process.name} not SERVING (last: {status})\n{process.log_tail()}")
+
+
+def _start_redis(cluster: SeparateHosts, password: str, log_dir: Path) -> None:
+    host = cluster.hosts["redis"]
+    argv = [str(valkey_server_binary()), "--bind", "0.0.0.0", "--port", str(REDIS_PORT),
+            "--requirepass", password, "--save", "", "--appendonly", "no",
+            "--dir", str(log_dir)]
+    cluster.processes["redis"] = ServiceProcess(
+        "redis", host.command(argv), f"{host.ip}:{REDIS_PORT}", log_dir / "redis.log", {})
+    client = redis.Redis(host=host.ip, port=REDIS_PORT, password=password, socket_timeout=1)
+    wait_for(lambda: _pings(client), timeout_s=10, what="redis answers")
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory) -> Iterator[SeparateHosts]:
+    names = ("redis", "scheduler", "worker-1", "worker-2", "frontend")
+    tls_dir, log_dir = tmp_path_factory.mktemp("tls"), tmp_path_factory.mktemp("logs")
+    with VirtualNetwork("hosts") as network:
+        hosts = {name: network.add_host(name, hostname=_fqdn(name)) for name in names}
+        ca = CertificateAuthority(tls_dir)
+        cluster = SeparateHosts(network, hosts, ca, ca.issue("client", [_fqdn("client")]))
+        try:
+            _start_cluster(cluster, tiny_model_dir, log_dir)
+            yield cluster
+        finally:
+            stop_all(list(cluster.processes.values()), grace_s=10)
+
+
+def _start_cluster(cluster: SeparateHosts, model_dir: Path, log_dir: Path) -> None:
+    redis_password, secret = "redis-password-for-the-test", "cluster-secret-for-the-test"
+    _start_redis(cluster, redis_password, log_dir)
+    ports = {"scheduler": SCHEDULER_PORT, "worker-1": WORKER_HEALTH_PORT,
+             "worker-2": WORKER_HEALTH_PORT, "frontend": FRONTEND_PORT}
+    for group in (["scheduler"], ["worker-1", "worker-2"], ["frontend"]):
+        for name in group:
+            host = cluster.hosts[name]
+            tls = cluster.ca.issue(name, [host.hostname, host.ip])
+            argv = _service_argv(name, tls, model_dir, redis_password)
+            cluster.processes[name] = ServiceProcess(
+                name, host.command(argv), f"{host.ip}:{ports[name]}", log_dir / f"{name}.log",
+                {CLUSTER_SECRET_ENV: secret})
+        for name in group:  # the worker's health port is plaintext, like a probe's
+            _wait_serving(cluster.processes[name],
+                          None if name.startswith("worker") else cluster.client_tls)
+
+
+def _connected_peers(host: Host, port: int) -> set[str]:
+    """The addresses of the established TCP connections to ``port`` on ``host``."""
+    out = subprocess.run(["ip", "netns", "exec", host.netns, "ss", "-Htn", "state",
+                          "established", f"( sport = :{port} )"],
+                         capture_output=True, text=True, check=True).stdout
+    peers = set()
+    for line in out.splitlines():
+        address = ipaddress.ip_address(line.split()[-1].rsplit(":", 1)[0].strip("[]"))
+        peers.add(str(getattr(address, "ipv4_mapped", None) or address))  # [::ffff:10.x]
+    return peers
+
+
+def test_each_service_runs_on_its_own_host_and_authenticates_its_peers(cluster):
+    peers = _connected_peers(cluster.hosts["scheduler"], SCHEDULER_PORT)
+    assert {cluster.hosts[n].ip for n in ("worker-1", "worker-2", "frontend")} <= peers
+    assert cluster.hosts["scheduler"].ip in _connected_peers(cluster.hosts["redis"], REDIS_PORT)
+    with cluster.client() as client:
+        assert sorted(w.worker_id for w in client.stats().workers) == ["worker-1", "worker-2"]
+        answer = client.complete("The capital of France is", max_tokens=8, temperature=0.0)
+        assert len(answer.outputs[0].token_ids) == 8
+    # The internal plane wants a client certificate from this CA; the public API
+    # wants TLS.
+    scheduler = cluster.address("scheduler", SCHEDULER_PORT)
+    assert check_health(scheduler, tls=cluster.client_tls) == "SERVING"
+    assert check_health(scheduler, tls=TlsConfig(ca_file=cluster.ca.ca_file)).startswith(
+        "UNREACHABLE")
+    assert check_health(cluster.address("frontend", FRONTEND_PORT)).startswith("UNREACHABLE")
+
+
+def test_a_partitioned_worker_fails_over_and_its_requests_finish(cluster):
+    with cluster.client() as client:
+        token_prompts = prompts(10, 4)
+        expected = reference(client, token_prompts)
+        streams = Streams(client, token_prompts)
+        assert streams.started.wait(60)
+        running = {w.worker_id: w.num_running_reqs for w in client.stats().workers}
+        victim = max(running, key=running.__getitem__)
+        assert running[victim] > 0
+        cluster.network.partition(cluster.hosts[victim])
+        try:
+            streams.join(120)
+            assert streams.errors == [None] * len(token_prompts)
+            assert streams.tokens == expected
+            assert [w.worker_id for w in client.stats().workers] == [
+                n for n in ("worker-1", "worker-2") if n != victim]
+            assert cluster.scheduler_metric("kvmesh:worker_failovers_total") >= 1
+        finally:
+            cluster.network.heal(cluster.hosts[victim])
+        # Back on the network, the worker registers again, and nothing leaked.
+        wait_for(lambda: len(client.stats().workers) == 2, timeout_s=90,
+                 what="the healed worker registered again")
+        wait_for(lambda: all_blocks_free(client), timeout_s=30, what="every block free")
+
+
+def test_a_partitioned_redis_leaves_serving_untouched(cluster):
+    with cluster.client() as client:
+        token_prompts = prompts(11, 4)
+        expected = reference(client, token_prompts)
+        errors_before = cluster.scheduler_metric("kvmesh:redis_mirror_errors_total")
+        cluster.network.partition(cluster.hosts["redis"])
+        try:
+            streams = Streams(client, token_prompts)
+            streams.join(120)
+            assert streams.errors == [None] * len(token_prompts)
+            assert streams.tokens == expected
+            # The mirror noticed: its writes to Redis failed meanwhile.
+            wait_for(lambda: cluster.scheduler_metric("kvmesh:redis_mirror_errors_total")
+                     > errors_before, timeout_s=30, what="the mirror's writes failing")
+        finally:
+            cluster.network.heal(cluster.hosts["redis"])
+        # Redis back: the mirror catches up (no lag), and serving never stopped.
+        wait_for(lambda: cluster.scheduler_metric("kvmesh:redis_mirror_lag_seconds") == 0,
+                 timeout_s=60, what="the mirror caught up")
+        assert list(client.complete(token_ids=token_prompts[0], max_tokens=150,
+                                    temperature=0.0, ignore_eos=True).outputs[0].token_ids) == \
+            expected[0]
+
+
+def test_a_client_without_the_ca_cannot_reach_the_frontend(cluster):
+    other_dir = Path(cluster.ca.ca_file).parent / "other"
+    other_dir.mkdir(exist_ok=True)
+    other_ca = CertificateAuthority(other_dir)
+    with Client(cluster.address("frontend", FRONTEND_PORT), timeout_s=5,
+                tls=TlsConfig(ca_file=other_ca.ca_file)) as client:
+        with pytest.raises(grpc.RpcError) as error:
+            client.complete("hi", max_tokens=1)
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
