@@ -43,6 +43,15 @@ def default_model_dir() -> Path:
     return resolve_model_dir()
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
+    """A tiny random-weight Llama with SmolLM2's tokenizer (tests/e2e/tiny_model.py),
+    for tests about plumbing rather than what the model says."""
+    from tests.e2e.tiny_model import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), default_model_dir)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def cpu_kernels_built() -> None:
     """kvmesh's C++ CPU kernels, built (if not yet on this machine) before the first

@@ -76,6 +76,17 @@ class Host:
     hostname: str
     switch_port: str  # its veth's end on the bridge, in the switch namespace
 
+    def connected_peers(self, port: int) -> set[str]:
+        """The addresses of the established TCP connections to ``port`` on this host."""
+        out = subprocess.run(["ip", "netns", "exec", self.netns, "ss", "-Htn", "state",
+                              "established", f"( sport = :{port} )"],
+                             capture_output=True, text=True, check=True).stdout
+        peers = set()
+        for line in out.splitlines():
+            address = ipaddress.ip_address(line.split()[-1].rsplit(":", 1)[0].strip("[]"))
+            peers.add(str(getattr(address, "ipv4_mapped", None) or address))  # [::ffff:10.x]
+        return peers
+
     def command(self, argv: list[str]) -> list[str]:
         """``argv`` run on this host: in its network namespace (and its hosts
         file), with its own hostname."""

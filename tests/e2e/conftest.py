@@ -9,17 +9,10 @@ module's tmp dir, and a failed start shows that log's tail.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 
 from kvmesh.cluster import ClusterConfig, LocalCluster
-from tests.e2e.tiny_model import save_tiny_llama
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), default_model_dir)
 
 
 @pytest.fixture(scope="module")

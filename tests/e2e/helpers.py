@@ -4,8 +4,10 @@ greedy streams run side by side."""
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -57,6 +59,13 @@ def all_blocks_free(client: Client) -> bool:
         w.num_free_blocks == w.num_total_blocks and w.num_running_reqs == w.num_waiting_reqs == 0
         for w in client.stats().workers
     )
+
+
+def metric_sum(url: str, name: str) -> float:
+    """The sum of a metric's samples (every label set) on a Prometheus /metrics page."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return sum(float(value) for value in
+               re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
 def prompts(seed: int, count: int) -> list[list[int]]:

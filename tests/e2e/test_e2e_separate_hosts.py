@@ -8,12 +8,8 @@ stream finishes unchanged; Redis cut off leaves serving untouched.
 
 from __future__ import annotations
 
-import ipaddress
-import re
-import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +28,7 @@ from tests.e2e.helpers import (
     TINY_MAX_MODEL_LEN,
     Streams,
     all_blocks_free,
+    metric_sum,
     prompts,
     reference,
     tiny_cluster_config,
@@ -69,11 +66,7 @@ class SeparateHosts:
                       tls=TlsConfig(ca_file=self.ca.ca_file))
 
     def scheduler_metric(self, name: str) -> float:
-        """The sum of a metric's samples on the scheduler's /metrics."""
-        url = f"http://{self.address('scheduler', METRICS_PORT)}/metrics"
-        text = urllib.request.urlopen(url, timeout=5).read().decode()
-        return sum(float(value) for value in
-                   re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+        return metric_sum(f"http://{self.address('scheduler', METRICS_PORT)}/metrics", name)
 
 
 def _fqdn(name: str) -> str:
@@ -169,22 +162,10 @@ def _start_cluster(cluster: SeparateHosts, model_dir: Path, log_dir: Path) -> No
                           None if name.startswith("worker") else cluster.client_tls)
 
 
-def _connected_peers(host: Host, port: int) -> set[str]:
-    """The addresses of the established TCP connections to ``port`` on ``host``."""
-    out = subprocess.run(["ip", "netns", "exec", host.netns, "ss", "-Htn", "state",
-                          "established", f"( sport = :{port} )"],
-                         capture_output=True, text=True, check=True).stdout
-    peers = set()
-    for line in out.splitlines():
-        address = ipaddress.ip_address(line.split()[-1].rsplit(":", 1)[0].strip("[]"))
-        peers.add(str(getattr(address, "ipv4_mapped", None) or address))  # [::ffff:10.x]
-    return peers
-
-
 def test_each_service_runs_on_its_own_host_and_authenticates_its_peers(cluster):
-    peers = _connected_peers(cluster.hosts["scheduler"], SCHEDULER_PORT)
+    peers = cluster.hosts["scheduler"].connected_peers(SCHEDULER_PORT)
     assert {cluster.hosts[n].ip for n in ("worker-1", "worker-2", "frontend")} <= peers
-    assert cluster.hosts["scheduler"].ip in _connected_peers(cluster.hosts["redis"], REDIS_PORT)
+    assert cluster.hosts["scheduler"].ip in cluster.hosts["redis"].connected_peers(REDIS_PORT)
     with cluster.client() as client:
         assert sorted(w.worker_id for w in client.stats().workers) == ["worker-1", "worker-2"]
         answer = client.complete("The capital of France is", max_tokens=8, temperature=0.0)
