@@ -10,7 +10,8 @@ is tests/deploy/test_chart_pods.py.
 from __future__ import annotations
 
 import base64
-import subprocess
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ pytest.importorskip("helm_python", reason="helm-python-sdk (the chart's tests) i
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 from tests.deploy.chart import (  # noqa: E402
+    CHART_DIR,
     CI_VALUES_FILES,
     NAMESPACE,
     container,
@@ -60,9 +62,7 @@ def test_lint_strict_fails_on_a_broken_template(tmp_path):
     # The lint above could fail: a chart with an unknown function does not lint.
     import helm_python as helm
 
-    broken = tmp_path / "broken"
-    subprocess.run(["cp", "-r", str(Path(__file__).resolve().parents[2] / "deploy/helm/kvmesh"),
-                    str(broken)], check=True)
+    broken = shutil.copytree(CHART_DIR, tmp_path / "kvmesh")
     (broken / "templates" / "bad.yaml").write_text("x: {{ no_such_function }}\n")
     report = helm.lint(str(broken), {}, strict=True)
     assert report["errors"] or any(m["severity"] == 3 for m in report["messages"])
@@ -283,13 +283,22 @@ def test_the_service_monitor_scrapes_every_metrics_port():
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"keda": {"enabled": True, "kvCacheUsage": 1.5}}, "keda.kvCacheUsage is 1.5"),
-    ({"keda": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}, "keda.minReplicas (5)"),
+    # values.schema.json: types, ranges and unknown keys (a typo) refused.
+    ({"worker": {"replicas": "two"}}, "at '/worker/replicas': got string, want integer"),
+    ({"worker": {"replica": 3}}, "at '/worker': additional properties 'replica' not allowed"),
+    ({"keda": {"enabled": True, "kvCacheUsage": 1.5}}, "at '/keda/kvCacheUsage': maximum"),
+    ({"redis": {"enabled": False, "externalUrl": "redis.example:6379"}},
+     "at '/redis/externalUrl'"),
+    # The templates: what spans several keys.
+    ({"keda": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}},
+     "keda.minReplicas (5) must be <= keda.maxReplicas (2)"),
+    ({"frontend": {"autoscaling": {"minReplicas": 9}}},
+     "frontend.autoscaling.minReplicas (9) must be <= frontend.autoscaling.maxReplicas (8)"),
 ])
 def test_bad_values_fail_naming_the_value(values, message):
     import helm_python as helm
 
-    with pytest.raises(helm.HelmError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(helm.HelmError, match=re.escape(message)):
         render(values)
 
 
