@@ -100,6 +100,7 @@ class VirtualNetwork:
 
     name: str = "net"
     hosts: dict[str, Host] = field(default_factory=dict)
+    names: dict[str, list[str]] = field(default_factory=dict)  # beyond the hostnames
 
     def __post_init__(self) -> None:
         remove_stale_namespaces()
@@ -144,12 +145,14 @@ class VirtualNetwork:
         port = self._plug(f"{self._tag}h{index}", netns, ip)
         host = Host(name, netns, ip, hostname or name, port)
         self.hosts[name] = host
-        self.write_hosts_files({})
+        self.write_hosts_files(self.names)
         return host
 
     def write_hosts_files(self, names: dict[str, list[str]]) -> None:
         """Every host's /etc/hosts: localhost, each host's hostname, and ``names``
-        (a name with several addresses resolves to all of them)."""
+        (a name with several addresses resolves to all of them); kept for hosts
+        added later. Running processes see the new file (same inode)."""
+        self.names = dict(names)
         lines = ["127.0.0.1 localhost"]
         lines += [f"{h.ip} {h.hostname}" for h in self.hosts.values()]
         lines += [f"{ip} {name}" for name, ips in names.items() for ip in ips]

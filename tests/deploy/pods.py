@@ -82,6 +82,14 @@ def _suffix(length: int) -> str:
     return "".join(random.choices(string.ascii_lowercase + string.digits, k=length))
 
 
+def hook_test_pods(manifests: list[Manifest]) -> list[Pod]:
+    """The pods `helm test` runs (the hook "test"), each once."""
+    return [Pod(m["metadata"]["name"], m, dict(m["metadata"]["labels"]),
+                m["spec"]["containers"][0])
+            for m in manifests if m["kind"] == "Pod"
+            and m["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"]
+
+
 def pods_of(manifests: list[Manifest]) -> list[Pod]:
     """Every pod the Deployments and StatefulSets ask for."""
     pods = []

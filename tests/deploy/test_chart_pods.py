@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-import time
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +35,7 @@ from tests.deploy.pods import (  # noqa: E402
     container_argv,
     container_env,
     dns_names,
+    hook_test_pods,
     image_programs,
     pods_of,
     secrets_of,
@@ -79,6 +80,7 @@ def chart_values(model_dir: Path, num_cells: int) -> dict:
 @dataclass
 class ChartCluster:
     num_cells: int
+    manifests: list[dict]
     network: VirtualNetwork
     pods: list[Pod]
     secrets: dict[str, dict[str, str]]
@@ -130,7 +132,8 @@ def chart_cluster(request, tiny_model_dir, tmp_path_factory) -> Iterator[ChartCl
                 pod.env = container_env(pod, secrets, NAMESPACE)
                 processes[pod.name], probes[pod.name] = _start_pod(network, pod, log_dir,
                                                                    programs)
-            cluster = ChartCluster(num_cells, network, pods, secrets, processes, probes)
+            cluster = ChartCluster(num_cells, manifests, network, pods, secrets, processes,
+                                   probes)
             wait_for(cluster.all_ready, timeout_s=STARTUP_BUDGET_S, what="every pod Ready")
             yield cluster
         finally:
@@ -209,3 +212,14 @@ def test_a_frontend_cut_off_from_its_scheduler_leaves_its_service_unrestarted(ch
             chart_cluster.network.heal(chart_cluster.network.hosts[pod.name])
     wait_for(chart_cluster.all_ready, timeout_s=120, what="every pod Ready again")
     assert all(p.liveness_restarts == 0 for p in chart_cluster.probes.values())
+
+
+def test_helm_test_passes(chart_cluster):
+    """`helm test`: the chart's test pod, run on a host of its own, exits 0."""
+    (pod,) = hook_test_pods(chart_cluster.manifests)
+    host = chart_cluster.network.add_host(pod.name)
+    pod.ip = host.ip
+    pod.env = container_env(pod, chart_cluster.secrets, NAMESPACE)
+    done = subprocess.run(host.command(container_argv(pod, image_programs())),
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout.strip()) == (0, "SERVING"), done.stderr
