@@ -100,8 +100,14 @@ def load(http_stack: HttpStack) -> Iterator[None]:
                     break
 
     threads = [threading.Thread(target=run, args=(seed,), daemon=True) for seed in (1, 2)]
+    start_tokens = http_stack.stats().workers[0].num_generation_tokens
     for thread in threads:
         thread.start()
+    # Steady load before the page looks: the first batches of two requests may
+    # compile a new attention shape, which on a busy machine stalls the engine for
+    # longer than two page loads take, and the numbers would not move between them.
+    wait_for(lambda: http_stack.stats().workers[0].num_generation_tokens
+             >= start_tokens + 4 * 48, timeout_s=120)
     wait_for(lambda: http_stack.stats().workers[0].num_running_reqs > 0, timeout_s=20)
     yield
     done.set()
