@@ -85,6 +85,7 @@ def load_cpu_kernels() -> bool:
         logger.warning("event=cpu_kernels_unavailable error=%s", detail)
         return False
     _register_fake_kernels()
+    logger.info("event=cpu_kernels_loaded isa=%s library=%s", isa, library)
     return True
 
 

@@ -119,7 +119,8 @@ class WorkerService:
             await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
             self.metrics.bind(self.worker.model_name, num_blocks)
             self.pipeline = StepPipeline(self.worker, self._observe_step)
-            logger.info("event=worker_loaded worker=%s num_blocks=%d", self.config.worker_id, num_blocks)
+            logger.info("event=worker_loaded worker=%s num_blocks=%d compiled=%s",
+                        self.config.worker_id, num_blocks, self.worker.model_runner.compiled_pieces)
             async with aio_channel(self.config.scheduler_address, self.config.tls,
                                    CHANNEL_OPTIONS) as channel:
                 await self._serve(scheduler_pb2_grpc.EngineCoreStub(channel))
