@@ -88,8 +88,10 @@ def build_kvmesh_image(base_image: str, log_path: Path) -> BuiltImage:
             command += ["--build-arg", f"PIP_FIND_LINKS={url}",
                         "--build-arg", f"TORCH_INDEX_URL={pip_setting('index-url') or PYPI_INDEX}"]
         with log_path.open("w") as log:
-            subprocess.run([*command, str(REPO)], stdout=log, stderr=subprocess.STDOUT,
-                           check=True, timeout=1800)
+            built = subprocess.run([*command, str(REPO)], stdout=log, stderr=subprocess.STDOUT,
+                                   timeout=1800)
+        if built.returncode != 0:
+            raise RuntimeError(f"docker build failed ({log_path}):\n{log_path.read_text()[-4000:]}")
     build_s = time.monotonic() - started
     size = subprocess.run([*docker_command(), "image", "inspect", "-f", "{{.Size}}", KVMESH_IMAGE],
                           capture_output=True, text=True, check=True).stdout
