@@ -98,15 +98,19 @@ def build_kvmesh_image(base_image: str, log_path: Path) -> BuiltImage:
     return BuiltImage(KVMESH_IMAGE, build_s, int(size))
 
 
+def compose_objects(kind: str, label: str = "com.docker.compose.project") -> list[str]:
+    """The ids of every ``kind`` (container, network, volume) carrying ``label``
+    (``key`` or ``key=value``), stopped containers included."""
+    return subprocess.run(
+        [*docker_command(), kind, "ls", "-q", *(["-a"] if kind == "container" else []),
+         "--filter", f"label={label}"], capture_output=True, text=True, check=True).stdout.split()
+
+
 def remove_projects(prefix: str) -> None:
     """Removes the containers, networks and volumes of every compose project whose
     name starts with ``prefix``: what a killed test run left behind."""
     for kind in ("container", "network", "volume"):
-        listed = subprocess.run(
-            [*docker_command(), kind, "ls", "-q", *(["-a"] if kind == "container" else []),
-             "--filter", "label=com.docker.compose.project"],
-            capture_output=True, text=True, check=True).stdout.split()
-        if not listed:
+        if not (listed := compose_objects(kind)):
             continue
         infos = json.loads(subprocess.run([*docker_command(), kind, "inspect", *listed],
                                           capture_output=True, text=True, check=True).stdout)
@@ -138,11 +142,8 @@ class ComposeProject:
         return subprocess.run([*docker_command(), *args], capture_output=True, text=True,
                               check=True, timeout=120).stdout
 
-    def _label_filter(self) -> list[str]:
-        return ["--filter", f"label=com.docker.compose.project={self.name}"]
-
     def container_ids(self, service: str | None = None) -> list[str]:
-        filters = self._label_filter()
+        filters = ["--filter", f"label=com.docker.compose.project={self.name}"]
         if service is not None:
             filters += ["--filter", f"label=com.docker.compose.service={service}"]
         return self.docker("ps", "-aq", "--no-trunc", *filters).split()
@@ -158,6 +159,14 @@ class ComposeProject:
             states[container_id[:12]] = state.get("Health", {}).get("Status", state["Status"])
         return states
 
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Until every container of the project reports its healthcheck healthy."""
+        deadline = time.monotonic() + timeout_s
+        while set(self.health().values()) != {"healthy"}:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not every container healthy in {timeout_s}s: {self.health()}")
+            time.sleep(1)
+
     def published_port(self, container_id: str, port: int) -> int:
         bindings = self.inspect(container_id)["NetworkSettings"]["Ports"][f"{port}/tcp"]
         return int(bindings[0]["HostPort"])
@@ -169,7 +178,5 @@ class ComposeProject:
 
     def leftovers(self) -> dict[str, list[str]]:
         """What of the project still exists: containers, networks, volumes."""
-        return {kind: self.docker(*command, *self._label_filter()).split()
-                for kind, command in (("containers", ["ps", "-aq"]),
-                                      ("networks", ["network", "ls", "-q"]),
-                                      ("volumes", ["volume", "ls", "-q"]))}
+        label = f"com.docker.compose.project={self.name}"
+        return {f"{kind}s": compose_objects(kind, label) for kind in ("container", "network", "volume")}

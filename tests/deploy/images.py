@@ -66,6 +66,7 @@ def docker_unavailable_reason() -> str | None:
     return None
 
 
+@functools.cache
 def compose_command() -> tuple[str, ...]:
     """``docker compose`` (v2) where the plugin is there, else Debian's docker-compose."""
     if _ok([*docker_command(), "compose", "version"]):

@@ -26,7 +26,7 @@ from kvmesh.client import Client
 from kvmesh.cluster import ClusterConfig, LocalCluster
 from tests.deploy.compose import BuiltImage, ComposeProject, build_kvmesh_image, remove_projects
 from tests.deploy.images import docker_unavailable_reason, ensure_base_image, ensure_redis_image
-from tests.e2e.helpers import Streams, prompts, wait_for
+from tests.e2e.helpers import Streams, prompts
 
 pytestmark = [
     pytest.mark.docker,
@@ -72,8 +72,7 @@ def deployment(tmp_path_factory) -> Iterator[Deployment]:
         for num_workers in (1, NUM_WORKERS):
             project.compose("up", "-d", "--no-build", "--scale", f"worker={num_workers}",
                             "--scale", f"frontend={NUM_FRONTENDS}")
-            wait_for(lambda: set(project.health().values()) == {"healthy"},
-                     timeout_s=HEALTHY_TIMEOUT_S, what="every container healthy")
+            project.wait_healthy(HEALTHY_TIMEOUT_S)
         frontends = [(project.published_port(c, 50051), project.published_port(c, 8000))
                      for c in project.container_ids("frontend")]
         yield Deployment(project, image, frontends)
@@ -122,8 +121,7 @@ def test_a_worker_container_killed_mid_generation_loses_no_stream(deployment: De
     assert streams.errors == [None] * 4
     assert [len(tokens) for tokens in streams.tokens] == [64] * 4
     project.docker("start", victim)  # (if its restart policy has not already)
-    wait_for(lambda: set(project.health().values()) == {"healthy"},
-             timeout_s=HEALTHY_TIMEOUT_S, what="the restarted worker healthy")
+    project.wait_healthy(HEALTHY_TIMEOUT_S)  # the restarted worker too
 
 
 def one_stream_tokens_per_s(address: str) -> float:
