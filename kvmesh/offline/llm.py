@@ -106,6 +106,11 @@ class LLM:
                     if output.finished:
                         finished[output.request_id] = output
                         pbar.update(1)
+        # Under asynchronous scheduling a step scheduled ahead may still run for
+        # requests that have finished: collect it, so no step outlives the call
+        # (one running at interpreter exit aborts the process).
+        while self.llm_engine.engine_core.has_requests():
+            self.llm_engine.step()
         return [finished[request_id] for request_id in request_ids]
 
 
