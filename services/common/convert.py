@@ -26,7 +26,11 @@ from services.common.engine import (
 from services.common.limits import SchedulingLimits
 from services.common.model_runner_output import ModelRunnerOutput, RequestFailure
 from services.common.registration import WorkerRegistration
-from services.common.sampling_params import RequestOutputKind, SamplingParams
+from services.common.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from services.common.scheduler_output import (
     CachedRequestData,
     NewRequestData,
@@ -76,7 +80,30 @@ def sampling_params_to_proto(p: SamplingParams) -> pb.SamplingParams:
         # Mark the Struct present first so that {} stays apart from None.
         msg.extra_args.SetInParent()
         msg.extra_args.update(p.extra_args)
+    if p.structured_outputs is not None:
+        _structured_outputs_to_proto(p.structured_outputs, msg)
     return msg
+
+
+def _structured_outputs_to_proto(so: StructuredOutputsParams, msg: pb.SamplingParams) -> None:
+    # Every set constraint goes out (the oneof keeps the last): validation
+    # upstream refuses params that set several.
+    for name in so.constraints:
+        if name == "choice":
+            msg.choice.SetInParent()  # an empty list stays set (and is refused)
+            msg.choice.choices.extend(so.choice or ())
+        else:
+            setattr(msg, name, getattr(so, name))
+    msg.disable_any_whitespace = so.disable_any_whitespace
+
+
+def _structured_outputs_from_proto(msg: pb.SamplingParams) -> StructuredOutputsParams | None:
+    kind = msg.WhichOneof("structured_output")
+    if kind is None:
+        return None
+    value = list(msg.choice.choices) if kind == "choice" else getattr(msg, kind)
+    return StructuredOutputsParams(**{kind: value},
+                                   disable_any_whitespace=msg.disable_any_whitespace)
 
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -100,6 +127,7 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         include_stop_str_in_output=msg.include_stop_str_in_output,
         output_kind=_output_kind(msg.output_kind),
         extra_args=_struct_to_dict(msg.extra_args) if msg.HasField("extra_args") else None,
+        structured_outputs=_structured_outputs_from_proto(msg),
         **{name: getattr(msg, name) for name in _DEFAULTED_FIELDS if msg.HasField(name)},
         **{name: getattr(msg, name) if msg.HasField(name) else None for name in _NULLABLE_FIELDS},
     )

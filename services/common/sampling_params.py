@@ -13,7 +13,8 @@ between services every number in them is a float (``3`` arrives as ``3.0``).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -21,6 +22,63 @@ class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """One structured-output constraint (vLLM's ``StructuredOutputsParams``).
+
+    Exactly one of the constraint fields is set: ``json`` (a JSON schema,
+    kept as JSON text; a dict is serialised), ``regex``, ``choice`` (the
+    output is one of these strings), ``grammar`` (EBNF in xgrammar's GBNF
+    dialect), ``json_object`` (any JSON object) or ``structural_tag``
+    (xgrammar's structural tag, as JSON text). ``disable_any_whitespace``
+    makes JSON compact (xgrammar's default separators) instead of allowing
+    any whitespace between tokens. The frontend checks that the constraint
+    compiles; the worker compiles it once per request, beside the sampler.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: str | dict[str, Any] | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        # One canonical text per schema: the worker's compile cache keys on it.
+        if isinstance(self.json, dict):
+            self.json = json.dumps(self.json)
+        if isinstance(self.structural_tag, dict):
+            self.structural_tag = json.dumps(self.structural_tag)
+
+    @property
+    def constraints(self) -> list[str]:
+        """Names of the constraint fields that are set (valid params have exactly one)."""
+        return [name for name in CONSTRAINT_FIELDS
+                if getattr(self, name) not in (None, False)]
+
+    @property
+    def kind(self) -> str:
+        """The one constraint field set; ValueError when none or several are."""
+        names = self.constraints
+        if len(names) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of "
+                             f"{', '.join(CONSTRAINT_FIELDS)}; got {names or 'none'}")
+        return names[0]
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """What identifies the compiled grammar: (kind, its text, whitespace flag)."""
+        kind = self.kind
+        value = getattr(self, kind)
+        text = json.dumps(value) if kind == "choice" else str(value)
+        return kind, text, self.disable_any_whitespace
+
+
+CONSTRAINT_FIELDS = tuple(f.name for f in fields(StructuredOutputsParams)
+                          if f.name != "disable_any_whitespace")
 
 
 @dataclass(slots=True)
@@ -43,6 +101,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     thinking_token_budget: int | None = None
+    # Constrained decoding: the worker masks every token the constraint forbids.
+    structured_outputs: StructuredOutputsParams | None = None
     # Frontend-only: text stop conditions and detokenization.
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False

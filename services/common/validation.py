@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 
 from services.common.engine import EngineCoreRequest
-from services.common.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams, StructuredOutputsParams
 
 DEFAULT_MAX_LOGPROBS = 20
 # The frontend makes internal ids "<client id>-<8 hex>" (and "<i>_" before a
@@ -32,6 +32,9 @@ MAX_EXACT_INT = 2**53
 # parsers stop at 100 (the worker's SchedulerOutput wraps extra_args deepest):
 # deeper extra_args would break a stream other requests share.
 MAX_EXTRA_ARGS_DEPTH = 16
+# A structured-output constraint's text (schema, regex, grammar, all choices):
+# compiling it costs the worker time and memory, so it is bounded.
+MAX_STRUCTURED_OUTPUT_CHARS = 65536
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -137,6 +140,39 @@ def validate_sampling_params(
         if not isinstance(params.extra_args, dict):
             raise _fail("extra_args", "a dict with string keys", params.extra_args)
         _check_json_like("extra_args", params.extra_args, depth=1)
+    if params.structured_outputs is not None:
+        if not isinstance(params.structured_outputs, StructuredOutputsParams):
+            raise _fail("structured_outputs", "a StructuredOutputsParams",
+                        params.structured_outputs)
+        validate_structured_outputs_shape(params.structured_outputs)
+
+
+def validate_structured_outputs_shape(so: StructuredOutputsParams) -> None:
+    """Exactly one constraint, of the right type and size; not whether it compiles.
+
+    The frontend also compiles it (``services/frontend/structured_outputs.py``);
+    the scheduler, which stays grammar-free, checks only this.
+    """
+    try:
+        kind = so.kind
+    except ValueError as e:
+        raise ValidationError("structured_outputs", str(e)) from None
+    field = f"structured_outputs.{kind}"
+    value = getattr(so, kind)
+    if kind == "json_object":
+        return
+    if kind == "choice":
+        if (not isinstance(value, list) or not value
+                or not all(isinstance(c, str) for c in value)):
+            raise _fail(field, "a non-empty list of strings", value)
+        size = sum(len(c) for c in value)
+    else:
+        if not isinstance(value, str) or not value:
+            raise _fail(field, "a non-empty string", value)
+        size = len(value)
+    if size > MAX_STRUCTURED_OUTPUT_CHARS:
+        raise ValidationError(field, f"{field} must hold at most "
+                              f"{MAX_STRUCTURED_OUTPUT_CHARS} characters, got {size}")
 
 
 def _validate_stop(params: SamplingParams, limits: RequestLimits) -> None:

@@ -22,6 +22,7 @@ from services.common.validation import (
     validate_prompt,
     validate_sampling_params,
 )
+from services.frontend.structured_outputs import check_structured_outputs
 from services.frontend.tokenizer import ChatMessage, encode_chat, encode_prompt, tokenize
 
 # A prompt: text, token ids, chat messages ({"role", "content"} dicts), or
@@ -179,6 +180,8 @@ class InputProcessor:
             params.stop = [params.stop]
         validate_sampling_params(params, vocab_size=self.vocab_size,
                                  max_logprobs=self.max_logprobs, limits=self.limits)
+        if params.structured_outputs is not None:
+            check_structured_outputs(params.structured_outputs)
         for name, validate in self.params_validators:
             try:
                 validate(params)

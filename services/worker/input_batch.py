@@ -19,6 +19,7 @@ import torch
 
 from services.common.sampling_params import SamplingParams
 from services.worker.block_table import BlockTable
+from services.worker.grammar import GrammarBackend
 from services.worker.sample import SamplingState, ThinkingConfig
 
 
@@ -60,6 +61,7 @@ class InputBatch:
         logitsprocs: Sequence[str | type] = (),
         thinking: ThinkingConfig | None = None,
         eos_token_id: int | None = None,
+        grammar: GrammarBackend | None = None,
     ) -> None:
         self.max_num_reqs = max_num_reqs
         # Masked with the stop ids until min_tokens (the scheduler stops on it).
@@ -79,7 +81,7 @@ class InputBatch:
         self.vocab_size = vocab_size
         self._make_sampling_state = partial(
             SamplingState, max_num_reqs, vocab_size, self.device, logitsprocs=logitsprocs,
-            thinking=thinking,
+            thinking=thinking, grammar=grammar,
         )
         self.sampling_state = self._make_sampling_state()
         # Row -> request id (None = hole) and the inverse; rows past the last

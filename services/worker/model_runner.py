@@ -38,6 +38,7 @@ from services.worker.cudagraph import (
     resolve_cudagraph_mode,
 )
 from services.worker.forward_context import BatchDescriptor, ForwardContext
+from services.worker.grammar import GrammarBackend
 from services.worker.input_batch import CachedRequestState, InputBatch
 from services.worker.sample import Sampler, SamplerOutput, ThinkingConfig, compute_prompt_logprobs
 from services.worker.step_events import COMPLETED, CudaStepEvent, StepEvent
@@ -141,6 +142,7 @@ class ModelRunner:
         device: torch.device,
         logitsprocs: Sequence[str | type] = (),
         thinking: ThinkingConfig | None = None,
+        grammar: GrammarBackend | None = None,
         cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE,
         cudagraph_capture_sizes: Sequence[int] = (),  # each in [1, max_num_batched_tokens]
         compile_pieces: bool = False,
@@ -156,7 +158,9 @@ class ModelRunner:
             max_num_reqs, max_model_len, max_num_batched_tokens, self.device, block_size,
             model_config.vocab_size, logitsprocs=logitsprocs, thinking=thinking,
             eos_token_id=model_config.eos_token_ids[0] if model_config.eos_token_ids else None,
+            grammar=grammar,
         )
+        self.grammar = grammar
         self.sampler = Sampler()
         # Requests still owed prompt logprobs; usually empty, so the per-step
         # check costs nothing for everyone else.
@@ -290,6 +294,10 @@ class ModelRunner:
             else:
                 self._prompt_logprobs_req_ids.add(new_req.req_id)
         self.requests[new_req.req_id] = state
+        so = new_req.sampling_params.structured_outputs
+        if so is not None and self.grammar is not None:
+            # Compiles on the grammar thread while this step's prefill runs.
+            self.grammar.compile(so)
         return state
 
     def _update_cached_requests(self, cached: CachedRequestData) -> list[CachedRequestState]:

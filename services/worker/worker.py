@@ -26,6 +26,7 @@ from services.common.registration import WorkerRegistration
 from services.common.scheduler_output import SchedulerOutput
 from services.worker.compilation import use_compile_cache
 from services.worker.config import ModelConfig, WorkerConfig, parse_kv_cache_dtype
+from services.worker.grammar import GrammarBackend
 from services.worker.kv_cache import KVCacheSpec, allocate_kv_caches, determine_num_blocks
 from services.worker.model_loader import load_model
 from services.worker.model_runner import LaunchedStep, ModelRunner, PreparedStep
@@ -68,6 +69,7 @@ class Worker:
         self.max_model_len = 0
         self.num_blocks = 0
         self.model_runner: ModelRunner | None = None
+        self.grammar: GrammarBackend | None = None
         self.num_consecutive_failed_steps = 0
 
     def load_model(self) -> None:
@@ -88,6 +90,9 @@ class Worker:
                 load_cpu_kernels()
             self.model, self.model_config = load_model(model_dir, self.config.dtype, self.device,
                                                        self.config.quantization)
+            # Reads the tokenizer on its own thread while the worker warms up.
+            self.grammar = GrammarBackend(model_dir, self.model_config.vocab_size,
+                                          list(self.model_config.eos_token_ids))
         self.max_model_len = resolve_max_model_len(self.model_config.max_model_len,
                                                    self.config.max_model_len)
 
@@ -138,6 +143,7 @@ class Worker:
             device=self.device,
             logitsprocs=self.config.logits_processors,
             thinking=self.config.thinking,
+            grammar=self.grammar,
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,6 +29,9 @@ from services.worker.sample.logits_processor import (
 from services.worker.sample.logprobs import resolve_num_logprobs
 from services.worker.sample.ops.penalties import make_padded_token_ids
 from services.worker.sample.sampling_metadata import SAMPLING_EPS, SamplingMetadata
+
+if TYPE_CHECKING:
+    from services.worker.grammar import GrammarBackend
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +90,7 @@ class SamplingState:
         device: torch.device,
         logitsprocs: Sequence[str | type[LogitsProcessor]] = (),
         thinking: ThinkingConfig | None = None,
+        grammar: GrammarBackend | None = None,
     ) -> None:
         if max_num_reqs <= 0 or vocab_size <= 0:
             raise ValueError(
@@ -116,8 +121,9 @@ class SamplingState:
         self._disallowed_device: torch.Tensor | None = None
         self._has_allowed = np.zeros(max_num_reqs, dtype=bool)
         self._has_thinking = thinking is not None
+        self._has_grammar = grammar is not None
         self.logitsprocs = build_logitsprocs(
-            LogitsProcessorConfig(max_num_reqs, vocab_size, thinking),
+            LogitsProcessorConfig(max_num_reqs, vocab_size, thinking, grammar),
             self.device,
             self._pin_memory,
             logitsprocs,
@@ -200,6 +206,8 @@ class SamplingState:
             raise ValueError(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
         if params.allowed_token_ids is not None and not params.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty")
+        if params.structured_outputs is not None and not self._has_grammar:
+            raise ValueError("structured_outputs needs a worker with a grammar backend")
         token_id_fields = (
             ("allowed_token_ids", params.allowed_token_ids or ()),
             ("logit_bias", tuple(params.logit_bias or ())),

@@ -12,7 +12,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -73,11 +73,16 @@ class ThinkingConfig:
 
 @dataclass(frozen=True, slots=True)
 class LogitsProcessorConfig:
-    """What every processor constructor receives (vLLM passes its VllmConfig)."""
+    """What every processor constructor receives (vLLM passes its VllmConfig).
+
+    ``grammar`` is the worker's ``GrammarBackend`` (None: structured outputs
+    are refused), typed loosely so that this contract does not import xgrammar.
+    """
 
     max_num_reqs: int
     vocab_size: int
     thinking: ThinkingConfig | None = None
+    grammar: Any = None
 
 
 class LogitsProcessor(ABC):

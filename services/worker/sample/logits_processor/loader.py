@@ -25,6 +25,9 @@ from services.worker.sample.logits_processor.interface import (
     LogitsProcessorConfig,
 )
 from services.worker.sample.logits_processor.state import LogitsProcessors
+from services.worker.sample.logits_processor.structured_output import (
+    StructuredOutputLogitsProcessor,
+)
 from services.worker.sample.logits_processor.thinking import ThinkingBudgetLogitsProcessor
 
 LOGITSPROCS_GROUP = LOGITS_PROCESSORS_GROUP
@@ -72,13 +75,18 @@ def build_logitsprocs(
     is_pin_memory: bool,
     custom: Sequence[str | type[LogitsProcessor]] = (),
 ) -> LogitsProcessors:
-    """Instantiate the built-ins, the thinking budget (if configured) and the custom processors.
+    """Instantiate the built-ins, the thinking budget and structured outputs (each if
+    configured) and the custom processors.
 
-    Order within each argmax group: min tokens, logit bias, thinking budget (last
-    of the built-ins so nothing undoes its forcing), then custom processors.
+    Order within each argmax group: min tokens, logit bias, thinking budget (so
+    nothing but a grammar undoes its forcing), structured outputs (last of the
+    built-ins: it sees every mask before it and fails a row left with no
+    token), then custom processors.
     """
     classes: list[type[LogitsProcessor]] = list(BUILTIN_LOGITS_PROCESSORS)
     if config.thinking is not None:
         classes.append(ThinkingBudgetLogitsProcessor)
+    if config.grammar is not None:
+        classes.append(StructuredOutputLogitsProcessor)
     classes.extend(c for c in load_custom_logitsprocs(custom) if c not in classes)
     return LogitsProcessors(cls(config, device, is_pin_memory) for cls in classes)

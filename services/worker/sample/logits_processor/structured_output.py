@@ -1,0 +1,166 @@
+"""Structured outputs: each constrained row may only sample what its grammar allows.
+
+The grammar lives here, beside the sampler (the scheduler never sees it). A
+request's constraint is compiled once (``services.worker.grammar``); each step
+the processor accepts the tokens sampled since the last step into the
+request's matcher, fills the row's bitmask for the next token and masks the
+logits. Accepting from the live output list makes asynchronous scheduling and
+re-placement correct without new messages: a row (re)joining the batch
+replays every output token it already has, and token N is always accepted
+before the mask for N+1 is filled.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import torch
+
+from services.common.model_runner_output import RequestFailure
+from services.common.sampling_params import SamplingParams
+from services.worker.sample.logits_processor.device_tensors import to_device_tensor
+from services.worker.sample.logits_processor.interface import (
+    BatchUpdate,
+    LogitsProcessor,
+    LogitsProcessorConfig,
+    process_dict_updates,
+)
+
+if TYPE_CHECKING:
+    import xgrammar
+
+    from services.worker.grammar import GrammarBackend
+
+
+@dataclass(slots=True)
+class _GrammarRow:
+    field: str  # "structured_outputs.<kind>", for failure messages
+    compiled: Future[Any]  # Future[xgrammar.CompiledGrammar]
+    output_ids: list[int]  # the request's live output list
+    matcher: xgrammar.GrammarMatcher | None = None
+    num_accepted: int = 0
+
+
+class StructuredOutputLogitsProcessor(LogitsProcessor):
+    """Masks every token a constrained row's grammar forbids; rows without one are untouched.
+
+    Not argmax-invariant, and the last built-in (after min tokens, logit bias
+    and the thinking budget), so it also sees what they masked: a row left
+    with no token at all fails its request with the reason, never samples.
+    A terminated grammar allows only the end-of-sequence tokens. A request
+    whose constraint does not compile, or whose output breaks the grammar
+    (tokens from elsewhere), fails alone.
+    """
+
+    def __init__(
+        self, config: LogitsProcessorConfig, device: torch.device, is_pin_memory: bool
+    ) -> None:
+        import xgrammar as xgr
+
+        if config.grammar is None:
+            raise ValueError("StructuredOutputLogitsProcessor needs LogitsProcessorConfig.grammar")
+        self._grammar: GrammarBackend = config.grammar
+        self._device = device
+        self._pin_memory = is_pin_memory
+        self._bitmask = xgr.allocate_token_bitmask(config.max_num_reqs, config.vocab_size)
+        self._rows: dict[int, _GrammarRow] = {}
+        self._masked: list[int] = []  # rows masked this step, ascending
+        self._failures: dict[int, RequestFailure] = {}
+        self._stop_bitmask = self._stop_tokens_bitmask(config.vocab_size)
+
+    def _stop_tokens_bitmask(self, vocab_size: int) -> torch.Tensor:
+        # One bitmask row allowing only the end-of-sequence tokens.
+        import xgrammar as xgr
+
+        words = [0] * xgr.allocate_token_bitmask(1, vocab_size).shape[1]
+        for token_id in self._grammar.stop_token_ids:
+            word, bit = divmod(token_id, 32)
+            words[word] |= 1 << bit
+        # int32 words: bit 31 is the sign bit.
+        return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words],
+                            dtype=torch.int32)
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def _new_row(self, params: SamplingParams, prompt_ids: list[int] | None,
+                 output_ids: list[int]) -> _GrammarRow | None:
+        so = params.structured_outputs
+        if so is None:
+            return None
+        return _GrammarRow(f"structured_outputs.{so.kind}", self._grammar.compile(so), output_ids)
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(self._rows, batch_update, self._new_row)
+        masked = []
+        for row in sorted(self._rows):
+            state = self._rows[row]
+            failure = self._advance(state)
+            if failure is not None:
+                self._failures[row] = failure
+                del self._rows[row]
+                continue
+            self._fill(row, state)
+            masked.append(row)
+        self._masked = masked
+
+    def _advance(self, state: _GrammarRow) -> RequestFailure | None:
+        """Accepts the row's new output tokens; the failure that ends it, if any."""
+        if state.matcher is None:
+            try:
+                compiled = state.compiled.result()  # waits only for a cold grammar
+            except ValueError as e:
+                return RequestFailure.of(grpc.StatusCode.INVALID_ARGUMENT,
+                                         f"{state.field} cannot be compiled: {e}")
+            state.matcher = self._grammar.new_matcher(compiled)
+        matcher = state.matcher
+        output = state.output_ids
+        for i in range(state.num_accepted, len(output)):
+            # Past termination only the end-of-sequence token was allowed; a
+            # step run before the stop was seen adds nothing to the grammar.
+            if not matcher.is_terminated() and not matcher.accept_token(output[i]):
+                return RequestFailure.of(
+                    grpc.StatusCode.INTERNAL,
+                    f"output token {output[i]} at position {i} breaks {state.field}")
+        state.num_accepted = len(output)
+        return None
+
+    def _fill(self, row: int, state: _GrammarRow) -> None:
+        assert state.matcher is not None
+        if state.matcher.is_terminated():
+            self._bitmask[row] = self._stop_bitmask
+        else:
+            state.matcher.fill_next_token_bitmask(self._bitmask, row)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self._masked:
+            return logits
+        import xgrammar as xgr
+
+        bitmask = self._bitmask[: logits.shape[0]]
+        if logits.device.type != "cpu":
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=self._masked)
+        self._fail_rows_without_tokens(logits)
+        return logits
+
+    def _fail_rows_without_tokens(self, logits: torch.Tensor) -> None:
+        # The grammar together with min_tokens, logit_bias or allowed_token_ids
+        # may allow nothing; sampling such a row would emit garbage.
+        rows = to_device_tensor(self._masked, torch.int64, self._device, self._pin_memory)
+        empty = torch.isneginf(logits.index_select(0, rows).amax(dim=-1)).tolist()
+        for row, is_empty in zip(self._masked, empty):
+            if is_empty:
+                field = self._rows[row].field
+                self._failures[row] = RequestFailure.of(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"no token is allowed next: {field} forbids every token that "
+                    f"min_tokens, logit_bias or allowed_token_ids leave")
+                del self._rows[row]
+
+    def take_row_failures(self) -> dict[int, RequestFailure]:
+        failures, self._failures = self._failures, {}
+        return failures
