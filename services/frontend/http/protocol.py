@@ -51,6 +51,10 @@ class SamplingRequest(OpenAIBaseModel):
     priority: int = 0
     cache_salt: str | None = None
     return_token_ids: bool = False  # each choice's token_ids and the prompt's
+    # OpenAI's constraint on the output, and vLLM's wider one (json, regex,
+    # choice, grammar, json_object, structural_tag); at most one of the two.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -84,7 +88,6 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(OpenAIBaseModel):

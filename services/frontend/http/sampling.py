@@ -14,6 +14,7 @@ from services.frontend.http.protocol import (
     CompletionRequest,
     SamplingRequest,
 )
+from services.frontend.http.response_format import structured_outputs_params
 from services.frontend.input_processor import PromptType
 from services.common.validation import ValidationError
 
@@ -39,6 +40,8 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None,
         spaces_between_special_tokens=request.spaces_between_special_tokens,
         include_stop_str_in_output=request.include_stop_str_in_output,
         output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+        structured_outputs=structured_outputs_params(request.response_format,
+                                                     request.structured_outputs),
     )
     for name in _OPTIONAL_FIELDS:
         value = getattr(request, name)
@@ -78,9 +81,6 @@ def chat_inputs(request: ChatCompletionRequest) -> tuple[list[dict[str, str]], S
     """The chat messages and SamplingParams of a chat completion request."""
     if request.tools:
         raise ValidationError("tools", "tools are not supported by this server")
-    if request.response_format not in (None, {"type": "text"}):
-        raise ValidationError("response_format",
-                              "response_format must be {'type': 'text'} on this server")
     if request.top_logprobs is not None and not request.logprobs:
         raise ValidationError("top_logprobs", "top_logprobs needs logprobs set to true")
     num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
