@@ -16,6 +16,7 @@ with the server's status code (INVALID_ARGUMENT names the bad field).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -34,7 +35,10 @@ def make_sampling_params(**sampling: Any) -> engine_pb2.SamplingParams:
     """A SamplingParams message from keyword arguments (vLLM names and defaults).
 
     ``output_kind`` may be "delta", "cumulative", "final_only" or the enum
-    value; ``stop`` may be one string. Raises TypeError for an unknown name.
+    value; ``stop`` may be one string. Structured outputs: ``json`` (a schema,
+    as a dict or JSON text), ``regex``, ``choice`` (a list of strings),
+    ``grammar``, ``json_object=True`` or ``structural_tag``, at most one.
+    Raises TypeError for an unknown name.
     """
     unknown = sorted(set(sampling) - _SAMPLING_FIELDS)
     if unknown:
@@ -46,6 +50,11 @@ def make_sampling_params(**sampling: Any) -> engine_pb2.SamplingParams:
         values["output_kind"] = engine_pb2.RequestOutputKind.Value(values["output_kind"].upper())
     if isinstance(values.get("stop"), str):
         values["stop"] = [values["stop"]]
+    if isinstance(values.get("choice"), (list, tuple)):
+        values["choice"] = engine_pb2.ChoiceConstraint(choices=values["choice"])
+    for name in ("json", "structural_tag"):
+        if isinstance(values.get(name), dict):
+            values[name] = json.dumps(values[name])
     return engine_pb2.SamplingParams(**values)
 
 
