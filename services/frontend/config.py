@@ -30,6 +30,10 @@ class FrontendServiceConfig:
     (see AsyncLLM); ``request_limits`` bound each request before it is tokenized.
     ``logits_processors`` names the custom processors the workers run (plus
     the installed plugins): their ``validate_params`` run at admission.
+    ``chat_template`` replaces the model's (a bundled name such as
+    "smollm2_tools", a file, or the template itself); None keeps the
+    model's, except that the default model gets its tool-aware template.
+    ``tool_call_parser`` reads tool calls in free answers ("hermes", "smollm2").
     """
 
     host: str = "127.0.0.1"
@@ -45,6 +49,8 @@ class FrontendServiceConfig:
     resubmit_grace_s: float = 30.0
     request_limits: RequestLimits = field(default_factory=RequestLimits)
     logits_processors: list[str] = field(default_factory=list)
+    chat_template: str | None = None
+    tool_call_parser: str = "hermes"
     tls: TlsConfig | None = None
     cluster_secret: str | None = None
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -25,9 +27,20 @@ from services.common.validation import (
 from services.frontend.structured_outputs import check_structured_outputs
 from services.frontend.tokenizer import ChatMessage, encode_chat, encode_prompt, tokenize
 
-# A prompt: text, token ids, chat messages ({"role", "content"} dicts), or
-# vLLM's TextPrompt / TokensPrompt dicts ({"prompt": text} / {"prompt_token_ids": ids}).
-PromptType = str | Sequence[int] | Sequence[ChatMessage] | Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """Chat messages with the tools the chat template shows the model (OpenAI's shape)."""
+
+    messages: Sequence[ChatMessage]
+    tools: Sequence[Mapping[str, Any]] | None = None
+
+
+# A prompt: text, token ids, chat messages ({"role", "content"} dicts), a
+# ChatPrompt, or vLLM's TextPrompt / TokensPrompt dicts ({"prompt": text} /
+# {"prompt_token_ids": ids}).
+PromptType = str | Sequence[int] | Sequence[ChatMessage] | ChatPrompt | Mapping[str, Any]
 _PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")
 # (name, check) of a logits processor's ``validate_params``: raises ValueError
 # (or TypeError) for params the processor cannot serve.
@@ -95,6 +108,9 @@ class InputProcessor:
         self.check_prompt_size(prompt)
         if isinstance(prompt, str):
             return prompt, encode_prompt(self.tokenizer, prompt)
+        if isinstance(prompt, ChatPrompt):
+            return encode_chat(self.tokenizer, prompt.messages, tools=prompt.tools,
+                               add_generation_prompt=add_generation_prompt)
         items = list(prompt)
         if items and all(isinstance(item, dict) for item in items):
             return encode_chat(self.tokenizer, items, add_generation_prompt=add_generation_prompt)
@@ -119,6 +135,9 @@ class InputProcessor:
         """ValidationError when text or chat messages exceed ``limits`` (roles too)."""
         if isinstance(prompt, str):
             self._check_prompt_bytes(len(prompt.encode()))
+        elif isinstance(prompt, ChatPrompt):
+            tools_bytes = len(json.dumps(prompt.tools).encode()) if prompt.tools else 0
+            self._check_chat(list(prompt.messages), tools_bytes)
         elif isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], dict):
             self._check_chat(list(prompt))
 
@@ -128,12 +147,11 @@ class InputProcessor:
             raise ValidationError("prompt", f"prompt has {num_bytes} bytes of text, at most "
                                             f"{limit} fit max_model_len {self.max_model_len}")
 
-    def _check_chat(self, messages: list[ChatMessage]) -> None:
+    def _check_chat(self, messages: list[ChatMessage], num_bytes: int = 0) -> None:
         limit = self.limits.max_chat_messages
         if len(messages) > limit:
             raise ValidationError("messages", f"messages must hold at most {limit} messages, "
                                               f"got {len(messages)}")
-        num_bytes = 0
         for message in messages:
             role, content = message.get("role"), message.get("content")
             if role not in CHAT_ROLES:

@@ -35,6 +35,7 @@ from services.common.security import add_security_args, bind, read_cluster_secre
 from services.frontend import api_convert
 from services.frontend.async_llm import AsyncLLM, RequestFailedError
 from services.frontend.auth import ApiKeyAuth, AuthError, Role, parse_api_keys
+from services.frontend.chat_templates import load_chat_template
 from services.frontend.config import FrontendServiceConfig, ModelInfo, read_model_info
 from services.frontend.engine_core_client import EngineCoreClient
 from services.common.validation import (
@@ -49,11 +50,14 @@ from services.frontend.input_processor import InputProcessor, logits_processor_v
 from services.frontend.output_processor import OutputProcessor
 from services.frontend.stat_logger import PrometheusStatLogger
 from services.frontend.tokenizer import load_eos_token_ids, load_tokenizer, longest_token_bytes
+from services.frontend.tool_parsers import TOOL_PARSER_NAMES, get_tool_parser
 
 logger = logging.getLogger(__name__)
 
 GENERATION_SERVICE = api_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 _HEALTH_CHECK_INTERVAL_S = 1.0
+# SmolLM2's tool-aware template (its own renders no tools).
+DEFAULT_MODEL_CHAT_TEMPLATE = "smollm2_tools"
 _AUTHORIZATION_METADATA_KEY = "authorization"
 
 
@@ -165,7 +169,7 @@ class FrontendServer:
         auth = ApiKeyAuth(config.api_keys, config.admin_api_keys)
         self.servicer = GenerationServicer(auth)
         self.engine_core: EngineCoreClient | None = None
-        self.http_state = HttpState(self.servicer, auth)
+        self.http_state = HttpState(self.servicer, auth, get_tool_parser(config.tool_call_parser))
         self.http: HttpServer | None = None
         if config.http_port is not None:
             self.http = HttpServer(build_app(self.http_state), config.host, config.http_port,
@@ -264,6 +268,9 @@ class FrontendServer:
     def _build_engine(self) -> tuple[AsyncLLM, ModelInfo]:
         model_dir = resolve_model_dir(self.config.model)
         tokenizer = load_tokenizer(model_dir)
+        chat_template = self._chat_template()
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
         info = read_model_info(model_dir, self.config, load_eos_token_ids(model_dir, tokenizer))
         limits = self.config.request_limits
         if limits.max_prompt_bytes is None:  # what max_model_len tokens can stand for
@@ -277,6 +284,15 @@ class FrontendServer:
         stat_logger = PrometheusStatLogger(info.name, info.max_model_len)
         return AsyncLLM(input_processor, output_processor, self.config.resubmit_grace_s,
                         stat_logger), info
+
+    def _chat_template(self) -> str | None:
+        """The template that replaces the model's, or None to keep it."""
+        if self.config.chat_template is not None:
+            return load_chat_template(self.config.chat_template)
+        if self.config.model is None:
+            # SmolLM2's own template has no tools; this one renders the same without them.
+            return load_chat_template(DEFAULT_MODEL_CHAT_TEMPLATE)
+        return None
 
     async def stop(self, grace_s: float | None = 5.0) -> None:
         """NOT_SERVING, lets streams finish for ``grace_s``, then closes the scheduler stream."""
@@ -320,6 +336,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[FrontendServiceConfig, st
     p.add_argument("--logits-processors", nargs="*", default=[],
                    help="the workers' custom processors (module:Class): their "
                         "validate_params run at admission")
+    p.add_argument("--chat-template", default=None,
+                   help="a bundled template name (smollm2_tools), a file, or the template "
+                        "text (default: the model's; the default model's tool-aware one)")
+    p.add_argument("--tool-call-parser", default="hermes", choices=TOOL_PARSER_NAMES,
+                   help="how tool calls are read from answers with tool_choice auto")
     add_security_args(p)
     p.add_argument("--http-port", type=int, default=8000,
                    help="the HTTP API (OpenAI, /metrics, /dashboard) on --host; 0: a free port")
@@ -337,6 +358,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[FrontendServiceConfig, st
         stream_interval=args.stream_interval, resubmit_grace_s=args.resubmit_grace_s,
         request_limits=RequestLimits.from_cli_args(args),
         logits_processors=args.logits_processors,
+        chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
         tls=tls_from_args(args),
         cluster_secret=read_cluster_secret(args.cluster_secret_file),
         http_port=None if args.no_http else args.http_port,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,14 +83,17 @@ def apply_chat_template(
     messages: Sequence[ChatMessage],
     *,
     add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
-    """Renders chat messages (dicts with "role" and "content") as prompt text."""
+    """Renders chat messages (dicts with "role" and "content") as prompt text;
+    ``tools`` (OpenAI's) go to the template, which decides how to show them."""
     if tokenizer.chat_template is None:
         raise ValidationError(
             "prompt", "the model's tokenizer has no chat template; send a text prompt instead"
         )
     return tokenizer.apply_chat_template(
-        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+        tools=list(tools) if tools else None,
     )
 
 
@@ -99,6 +102,7 @@ def encode_chat(
     messages: Sequence[ChatMessage],
     *,
     add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> tuple[str, list[int]]:
     """The rendered chat prompt and its token ids.
 
@@ -106,7 +110,8 @@ def encode_chat(
     special tokens; the BOS is added only when the model expects one and the
     template left it out.
     """
-    text = apply_chat_template(tokenizer, messages, add_generation_prompt=add_generation_prompt)
+    text = apply_chat_template(tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                               tools=tools)
     ids = tokenizer.encode(text, add_special_tokens=False)
     bos = tokenizer.bos_token_id
     if ids[:1] != [bos] and tokenizer_adds_bos(tokenizer):

@@ -53,6 +53,7 @@ from services.frontend.http.sampling import chat_inputs, chat_messages, completi
 from services.frontend.http.serving import Generation, serve_generation
 from services.frontend.http.streaming import ClientDisconnectedError
 from services.frontend.input_processor import PromptType
+from services.frontend.tool_parsers import ToolParser, get_tool_parser
 from services.common.validation import ValidationError, check_token_ids
 
 # What nginx logs for a client that closed the connection first; nobody reads it.
@@ -75,6 +76,8 @@ class HttpState:
 
     source: EngineSource
     auth: ApiKeyAuth
+    # Reads tool calls in free answers (tool_choice "auto").
+    tool_parser: ToolParser = field(default_factory=lambda: get_tool_parser("hermes"))
     draining: bool = False
     cluster_serving: bool = False
     started: int = field(default_factory=lambda: int(time.time()))
@@ -154,9 +157,9 @@ def _add_generation_routes(app: FastAPI) -> None:
         engine, info = state.ready()
         _check_model(request.model, info)
         request_id = _request_id(raw_request)
-        messages, params = chat_inputs(request)
-        builder = ResponseBuilder(ChatFormat(params.logprobs), request_id, info.name,
-                                  request.return_token_ids)
+        messages, params, tool_calls = chat_inputs(request, state.tool_parser)
+        builder = ResponseBuilder(ChatFormat(params.logprobs, tool_calls), request_id,
+                                  info.name, request.return_token_ids)
         generation = _generation(state, key, request, request_id, messages, params)
         try:
             return await serve_generation(raw_request, engine, generation, builder,

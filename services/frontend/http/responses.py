@@ -11,6 +11,7 @@ import time
 from collections import defaultdict
 from typing import Any, Protocol
 
+from services.frontend.http.tool_calls import ChatToolCalls
 from services.frontend.outputs import CompletionOutput, Logprob, RequestOutput
 
 # JSON has no -inf; OpenAI and vLLM clients expect a very negative number.
@@ -79,22 +80,32 @@ class ChatFormat:
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, num_top_logprobs: int | None) -> None:
+    def __init__(self, num_top_logprobs: int | None,
+                 tool_calls: ChatToolCalls | None = None) -> None:
         self.num_top_logprobs = num_top_logprobs
+        self.tool_calls = tool_calls
         self._started: set[int] = set()
 
     def choice(self, output: CompletionOutput) -> dict[str, Any]:
-        return {"index": output.index,
-                "message": {"role": "assistant", "content": output.text},
-                "logprobs": self._logprobs(output), **_finish(output)}
+        message: dict[str, Any] = {"role": "assistant", "content": output.text}
+        finish = _finish(output)
+        if self.tool_calls is not None:
+            message, finish["finish_reason"] = self.tool_calls.message(
+                output.text, output.finish_reason)
+        return {"index": output.index, "message": message,
+                "logprobs": self._logprobs(output), **finish}
 
     def chunk_choice(self, output: CompletionOutput) -> dict[str, Any]:
         delta: dict[str, Any] = {"content": output.text}
+        finish = _finish(output)
+        if self.tool_calls is not None:
+            delta, finish["finish_reason"] = self.tool_calls.delta(
+                output.index, output.text, output.finish_reason)
         if output.index not in self._started:  # the role rides on each choice's first chunk
             self._started.add(output.index)
             delta = {"role": "assistant", **delta}
         return {"index": output.index, "delta": delta, "logprobs": self._logprobs(output),
-                **_finish(output)}
+                **finish}
 
     def _logprobs(self, output: CompletionOutput) -> dict[str, Any] | None:
         if self.num_top_logprobs is None or output.logprobs is None:

@@ -7,7 +7,13 @@ field. Fields this server cannot honour are refused here, naming the field.
 
 from __future__ import annotations
 
-from services.common.sampling_params import RequestOutputKind, SamplingParams
+from typing import Any
+
+from services.common.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from services.frontend.http.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -15,7 +21,14 @@ from services.frontend.http.protocol import (
     SamplingRequest,
 )
 from services.frontend.http.response_format import structured_outputs_params
-from services.frontend.input_processor import PromptType
+from services.frontend.http.tool_calls import ChatToolCalls
+from services.frontend.input_processor import ChatPrompt, PromptType
+from services.frontend.tool_parsers import ToolParser
+from services.frontend.tool_parsers.tool_choice import (
+    forces_tool_calls,
+    tool_call_schema,
+    validate_tools,
+)
 from services.common.validation import ValidationError
 
 # Fields of SamplingParams whose unset value in a request means "vLLM's default".
@@ -77,10 +90,15 @@ def completion_inputs(request: CompletionRequest) -> tuple[PromptType, SamplingP
     return prompt, sampling_params(request, request.max_tokens, request.logprobs)
 
 
-def chat_inputs(request: ChatCompletionRequest) -> tuple[list[dict[str, str]], SamplingParams]:
-    """The chat messages and SamplingParams of a chat completion request."""
-    if request.tools:
-        raise ValidationError("tools", "tools are not supported by this server")
+def chat_inputs(request: ChatCompletionRequest, tool_parser: ToolParser
+                ) -> tuple[PromptType, SamplingParams, ChatToolCalls | None]:
+    """The chat prompt, SamplingParams and tool-call handling of a chat request.
+
+    With ``tools`` (and ``tool_choice`` not "none") the prompt is a ChatPrompt
+    offering them; "required" or a named function constrains the answer to
+    a list of calls; "auto" leaves it free and ``tool_parser`` reads it.
+    """
+    validate_tools(request.tools, request.tool_choice)
     if request.top_logprobs is not None and not request.logprobs:
         raise ValidationError("top_logprobs", "top_logprobs needs logprobs set to true")
     num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -88,15 +106,31 @@ def chat_inputs(request: ChatCompletionRequest) -> tuple[list[dict[str, str]], S
     if max_tokens is None:
         max_tokens = request.max_tokens
     messages = chat_messages(request.messages)
-    return messages, sampling_params(request, max_tokens, num_logprobs)
+    params = sampling_params(request, max_tokens, num_logprobs)
+    tool_choice = request.tool_choice or "auto"
+    if not request.tools or tool_choice == "none":
+        return messages, params, None
+    prompt = ChatPrompt(messages, request.tools)
+    if not forces_tool_calls(tool_choice):
+        return prompt, params, ChatToolCalls(tool_parser)
+    if params.structured_outputs is not None:
+        raise ValidationError("tool_choice", "tool_choice 'required' or a named function "
+                              "constrains the answer: it cannot be combined with "
+                              "response_format or structured_outputs")
+    schema = tool_call_schema(request.tools, tool_choice)
+    if not request.parallel_tool_calls:
+        schema["maxItems"] = 1
+    # Calls are read by programs, not people: compact JSON, no runs of whitespace.
+    params.structured_outputs = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    return prompt, params, ChatToolCalls(None)
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """The messages as the chat template takes them."""
     return [_chat_message(index, message) for index, message in enumerate(messages)]
 
 
-def _chat_message(index: int, message: ChatMessage) -> dict[str, str]:
+def _chat_message(index: int, message: ChatMessage) -> dict[str, Any]:
     # Text parts join with newlines, as vLLM joins them.
     content = message.content
     if isinstance(content, list):
@@ -108,7 +142,9 @@ def _chat_message(index: int, message: ChatMessage) -> dict[str, str]:
                                       f"got type {part.type!r}")
             texts.append(part.text)
         content = "\n".join(texts)
-    result = {"role": message.role, "content": content or ""}
-    if message.name is not None:
-        result["name"] = message.name
+    result: dict[str, Any] = {"role": message.role, "content": content or ""}
+    for field in ("name", "tool_calls", "tool_call_id"):
+        value = getattr(message, field)
+        if value is not None:
+            result[field] = value
     return result

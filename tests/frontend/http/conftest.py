@@ -2,7 +2,7 @@
 gRPC and HTTP on loopback, on one asyncio loop in a background thread.
 
 The worker runs the tiny random Llama carrying SmolLM2's tokenizer. Frontend
-``open`` has no API keys; frontend ``keyed`` has two tenants' keys and an
+``open`` has no API keys (and SmolLM2's tool-aware chat template); frontend ``keyed`` has two tenants' keys and an
 admin key. The scheduler and the worker serve ``/metrics`` on ports of their
 own. Tests that need the engine idle wait for it (``wait_idle``).
 """
@@ -91,8 +91,10 @@ def http_stack(http_model_dir) -> Iterator[HttpStack]:
         worker = start_worker(scheduler.address, http_model_dir, "w0", metrics_port=0,
                               worker=dict(limits=limits))
         await wait_for_workers(scheduler.address, ["w0"])
+        # SmolLM2's tokenizer: its tool-aware template (the default model's).
         frontend = await serve_frontend(frontend_config(http_model_dir, scheduler.address,
-                                                        http_port=0))
+                                                        http_port=0,
+                                                        chat_template="smollm2_tools"))
         keyed = await serve_frontend(frontend_config(
             http_model_dir, scheduler.address, http_port=0, api_keys=TENANT_KEYS,
             admin_api_keys=(ADMIN_KEY,)))
