@@ -95,6 +95,7 @@ def _structured_outputs_to_proto(so: StructuredOutputsParams, msg: pb.SamplingPa
         else:
             setattr(msg, name, getattr(so, name))
     msg.disable_any_whitespace = so.disable_any_whitespace
+    msg.reasoning_end_token_ids.extend(so.reasoning_end_token_ids or ())
 
 
 def _structured_outputs_from_proto(msg: pb.SamplingParams) -> StructuredOutputsParams | None:
@@ -103,7 +104,8 @@ def _structured_outputs_from_proto(msg: pb.SamplingParams) -> StructuredOutputsP
         return None
     value = list(msg.choice.choices) if kind == "choice" else getattr(msg, kind)
     return StructuredOutputsParams(**{kind: value},
-                                   disable_any_whitespace=msg.disable_any_whitespace)
+                                   disable_any_whitespace=msg.disable_any_whitespace,
+                                   reasoning_end_token_ids=list(msg.reasoning_end_token_ids) or None)
 
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:

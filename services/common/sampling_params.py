@@ -34,7 +34,10 @@ class StructuredOutputsParams:
     dialect), ``json_object`` (any JSON object) or ``structural_tag``
     (xgrammar's structural tag, as JSON text). ``disable_any_whitespace``
     makes JSON compact (xgrammar's default separators) instead of allowing
-    any whitespace between tokens. The frontend checks that the constraint
+    any whitespace between tokens. ``reasoning_end_token_ids``: the output
+    starts inside the model's reasoning, which is free; the constraint
+    applies to what follows the first occurrence of these tokens (the
+    frontend sets them when its reasoning parser says the prompt opened one). The frontend checks that the constraint
     compiles; the worker compiles it once per request, beside the sampler.
     """
 
@@ -45,6 +48,7 @@ class StructuredOutputsParams:
     json_object: bool = False
     structural_tag: str | dict[str, Any] | None = None
     disable_any_whitespace: bool = False
+    reasoning_end_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         # One canonical text per schema: the worker's compile cache keys on it.
@@ -78,7 +82,7 @@ class StructuredOutputsParams:
 
 
 CONSTRAINT_FIELDS = tuple(f.name for f in fields(StructuredOutputsParams)
-                          if f.name != "disable_any_whitespace")
+                          if f.name not in ("disable_any_whitespace", "reasoning_end_token_ids"))
 
 
 @dataclass(slots=True)

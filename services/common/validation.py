@@ -199,6 +199,10 @@ def _validate_token_ids(params: SamplingParams, vocab_size: int) -> None:
         if not params.allowed_token_ids:
             raise _fail("allowed_token_ids", "a non-empty list when given", [])
         check_token_ids("allowed_token_ids", params.allowed_token_ids, vocab_size)
+    so = params.structured_outputs
+    if isinstance(so, StructuredOutputsParams) and so.reasoning_end_token_ids is not None:
+        check_token_ids("structured_outputs.reasoning_end_token_ids",
+                        so.reasoning_end_token_ids, vocab_size)
 
 
 def _check_json_like(path: str, value: object, depth: int) -> None:

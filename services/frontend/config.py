@@ -34,6 +34,8 @@ class FrontendServiceConfig:
     "smollm2_tools", a file, or the template itself); None keeps the
     model's, except that the default model gets its tool-aware template.
     ``tool_call_parser`` reads tool calls in free answers ("hermes", "smollm2").
+    ``reasoning_parser`` ("deepseek_r1", "think") splits chat answers into
+    ``reasoning_content`` and ``content``; constraints apply after the reasoning.
     """
 
     host: str = "127.0.0.1"
@@ -51,6 +53,7 @@ class FrontendServiceConfig:
     logits_processors: list[str] = field(default_factory=list)
     chat_template: str | None = None
     tool_call_parser: str = "hermes"
+    reasoning_parser: str | None = None
     tls: TlsConfig | None = None
     cluster_secret: str | None = None
 

@@ -49,6 +49,7 @@ from services.frontend.http.server import HttpServer
 from services.frontend.input_processor import InputProcessor, logits_processor_validators
 from services.frontend.output_processor import OutputProcessor
 from services.frontend.stat_logger import PrometheusStatLogger
+from services.frontend.reasoning import REASONING_PARSER_NAMES, get_reasoning_parser
 from services.frontend.tokenizer import load_eos_token_ids, load_tokenizer, longest_token_bytes
 from services.frontend.tool_parsers import TOOL_PARSER_NAMES, get_tool_parser
 
@@ -169,7 +170,10 @@ class FrontendServer:
         auth = ApiKeyAuth(config.api_keys, config.admin_api_keys)
         self.servicer = GenerationServicer(auth)
         self.engine_core: EngineCoreClient | None = None
-        self.http_state = HttpState(self.servicer, auth, get_tool_parser(config.tool_call_parser))
+        reasoning_parser = (None if config.reasoning_parser is None
+                            else get_reasoning_parser(config.reasoning_parser))
+        self.http_state = HttpState(self.servicer, auth, get_tool_parser(config.tool_call_parser),
+                                    reasoning_parser)
         self.http: HttpServer | None = None
         if config.http_port is not None:
             self.http = HttpServer(build_app(self.http_state), config.host, config.http_port,
@@ -341,6 +345,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[FrontendServiceConfig, st
                         "text (default: the model's; the default model's tool-aware one)")
     p.add_argument("--tool-call-parser", default="hermes", choices=TOOL_PARSER_NAMES,
                    help="how tool calls are read from answers with tool_choice auto")
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSER_NAMES,
+                   help="split chat answers' reasoning (<think>...</think>) into "
+                        "reasoning_content; constraints apply after it")
     add_security_args(p)
     p.add_argument("--http-port", type=int, default=8000,
                    help="the HTTP API (OpenAI, /metrics, /dashboard) on --host; 0: a free port")
@@ -359,6 +366,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[FrontendServiceConfig, st
         request_limits=RequestLimits.from_cli_args(args),
         logits_processors=args.logits_processors,
         chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         tls=tls_from_args(args),
         cluster_secret=read_cluster_secret(args.cluster_secret_file),
         http_port=None if args.no_http else args.http_port,

@@ -15,7 +15,8 @@ from services.common.validation import (
 
 CONSTRAINTS = [
     StructuredOutputsParams(json={"type": "object", "properties": {"b": {}, "a": {}}}),
-    StructuredOutputsParams(regex=r"\d+", disable_any_whitespace=True),
+    StructuredOutputsParams(regex=r"\d+", disable_any_whitespace=True,
+                            reasoning_end_token_ids=[7, 8]),
     StructuredOutputsParams(choice=["yes", "no", 'say "hi"\n']),
     StructuredOutputsParams(grammar='root ::= "a" | "b"'),
     StructuredOutputsParams(json_object=True),

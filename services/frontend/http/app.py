@@ -52,7 +52,9 @@ from services.frontend.http.responses import ChatFormat, CompletionFormat, Respo
 from services.frontend.http.sampling import chat_inputs, chat_messages, completion_inputs
 from services.frontend.http.serving import Generation, serve_generation
 from services.frontend.http.streaming import ClientDisconnectedError
+from services.frontend.http.chat_reasoning import ChatReasoning, constrain_after_reasoning
 from services.frontend.input_processor import PromptType
+from services.frontend.reasoning import ReasoningParser
 from services.frontend.tool_parsers import ToolParser, get_tool_parser
 from services.common.validation import ValidationError, check_token_ids
 
@@ -78,6 +80,8 @@ class HttpState:
     auth: ApiKeyAuth
     # Reads tool calls in free answers (tool_choice "auto").
     tool_parser: ToolParser = field(default_factory=lambda: get_tool_parser("hermes"))
+    # Splits reasoning from content in chat answers; None: no reasoning parser.
+    reasoning_parser: ReasoningParser | None = None
     draining: bool = False
     cluster_serving: bool = False
     started: int = field(default_factory=lambda: int(time.time()))
@@ -158,7 +162,12 @@ def _add_generation_routes(app: FastAPI) -> None:
         _check_model(request.model, info)
         request_id = _request_id(raw_request)
         messages, params, tool_calls = chat_inputs(request, state.tool_parser)
-        builder = ResponseBuilder(ChatFormat(params.logprobs, tool_calls), request_id,
+        reasoning = None
+        if state.reasoning_parser is not None:
+            constrain_after_reasoning(params, state.reasoning_parser,
+                                      engine.input_processor.tokenizer)
+            reasoning = ChatReasoning(state.reasoning_parser)
+        builder = ResponseBuilder(ChatFormat(params.logprobs, tool_calls, reasoning), request_id,
                                   info.name, request.return_token_ids)
         generation = _generation(state, key, request, request_id, messages, params)
         try:

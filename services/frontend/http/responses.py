@@ -11,6 +11,7 @@ import time
 from collections import defaultdict
 from typing import Any, Protocol
 
+from services.frontend.http.chat_reasoning import ChatReasoning
 from services.frontend.http.tool_calls import ChatToolCalls
 from services.frontend.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -80,27 +81,39 @@ class ChatFormat:
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, num_top_logprobs: int | None,
-                 tool_calls: ChatToolCalls | None = None) -> None:
+    def __init__(self, num_top_logprobs: int | None, tool_calls: ChatToolCalls | None = None,
+                 reasoning: ChatReasoning | None = None) -> None:
         self.num_top_logprobs = num_top_logprobs
         self.tool_calls = tool_calls
+        self.reasoning = reasoning
         self._started: set[int] = set()
 
     def choice(self, output: CompletionOutput) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": output.text}
+        reasoning, content = None, output.text
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.split(content)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
         finish = _finish(output)
         if self.tool_calls is not None:
             message, finish["finish_reason"] = self.tool_calls.message(
-                output.text, output.finish_reason)
+                content, output.finish_reason)
+        if self.reasoning is not None:
+            message["reasoning_content"] = reasoning
         return {"index": output.index, "message": message,
                 "logprobs": self._logprobs(output), **finish}
 
     def chunk_choice(self, output: CompletionOutput) -> dict[str, Any]:
-        delta: dict[str, Any] = {"content": output.text}
+        reasoning, content = "", output.text
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.split_delta(
+                output.index, content, output.finish_reason is not None)
+        delta: dict[str, Any] = {"content": content}
         finish = _finish(output)
         if self.tool_calls is not None:
             delta, finish["finish_reason"] = self.tool_calls.delta(
-                output.index, output.text, output.finish_reason)
+                output.index, content, output.finish_reason)
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if output.index not in self._started:  # the role rides on each choice's first chunk
             self._started.add(output.index)
             delta = {"role": "assistant", **delta}

@@ -157,3 +157,21 @@ def test_a_worker_without_a_grammar_backend_refuses_constraints():
     state = SamplingState(1, VOCAB, CPU)
     with pytest.raises(ValueError, match="structured_outputs needs a worker with a grammar"):
         state.add_request(0, constrained(regex="a"), [1], [])
+
+
+def test_the_constraint_applies_once_the_reasoning_has_ended(grammar, tokenizer):
+    end = tokenizer.encode("</think>", add_special_tokens=False)
+    params = constrained(regex="[0-9]{3}")
+    params.structured_outputs.reasoning_end_token_ids = end
+    state = SamplingState(1, VOCAB, CPU, grammar=grammar)
+    output: list[int] = []
+    state.add_request(0, params, [1], output)
+
+    assert generate(state, [output], steps=6, seed=1) == {}
+    assert not tokenizer.decode(output).isdigit()  # free while reasoning
+    output += end  # the model ends its reasoning
+    num_reasoning = len(output)
+    assert generate(state, [output], steps=5, seed=2) == {}
+
+    answer = output[num_reasoning:]
+    assert re.fullmatch("[0-9]{3}", tokenizer.decode(answer[: answer.index(EOS)]))

@@ -40,8 +40,22 @@ class _GrammarRow:
     field: str  # "structured_outputs.<kind>", for failure messages
     compiled: Future[Any]  # Future[xgrammar.CompiledGrammar]
     output_ids: list[int]  # the request's live output list
+    # Set while the output is still in the model's reasoning: the sequence that ends it.
+    reasoning_end: list[int] | None = None
     matcher: xgrammar.GrammarMatcher | None = None
-    num_accepted: int = 0
+    num_accepted: int = 0  # output tokens consumed (reasoning included)
+
+    def skip_reasoning(self) -> None:
+        """Consumes output tokens up to the end of the reasoning, if it has ended."""
+        end, output = self.reasoning_end, self.output_ids
+        assert end is not None
+        start = max(self.num_accepted - len(end) + 1, 0)
+        for i in range(start, len(output) - len(end) + 1):
+            if output[i : i + len(end)] == end:
+                self.num_accepted = i + len(end)
+                self.reasoning_end = None
+                return
+        self.num_accepted = len(output)
 
 
 class StructuredOutputLogitsProcessor(LogitsProcessor):
@@ -50,7 +64,9 @@ class StructuredOutputLogitsProcessor(LogitsProcessor):
     Not argmax-invariant, and the last built-in (after min tokens, logit bias
     and the thinking budget), so it also sees what they masked: a row left
     with no token at all fails its request with the reason, never samples.
-    A terminated grammar allows only the end-of-sequence tokens. A request
+    A terminated grammar allows only the end-of-sequence tokens. A row whose
+    constraint has ``reasoning_end_token_ids`` is free until its output holds
+    them; the grammar applies to the tokens after. A request
     whose constraint does not compile, or whose output breaks the grammar
     (tokens from elsewhere), fails alone.
     """
@@ -91,13 +107,18 @@ class StructuredOutputLogitsProcessor(LogitsProcessor):
         so = params.structured_outputs
         if so is None:
             return None
-        return _GrammarRow(f"structured_outputs.{so.kind}", self._grammar.compile(so), output_ids)
+        return _GrammarRow(f"structured_outputs.{so.kind}", self._grammar.compile(so), output_ids,
+                           list(so.reasoning_end_token_ids or ()) or None)
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         process_dict_updates(self._rows, batch_update, self._new_row)
         masked = []
         for row in sorted(self._rows):
             state = self._rows[row]
+            if state.reasoning_end is not None:
+                state.skip_reasoning()
+                if state.reasoning_end is not None:
+                    continue  # still reasoning: free
             failure = self._advance(state)
             if failure is not None:
                 self._failures[row] = failure
