@@ -653,8 +653,9 @@ class ModelRunner:
                 self._fail_request(req_id, _EARLIER_FAILURE, launched.failed)
                 continue
             if token_id == _NONFINITE or row in row_failures:
-                self._fail_request(req_id, row_failures.get(row) or _NONFINITE_FAILURE,
-                                   launched.failed)
+                failure = (row_failures.get(row) or sampler_output.nonfinite_reasons.get(row)
+                           or _NONFINITE_FAILURE)
+                self._fail_request(req_id, failure, launched.failed)
                 continue
             out.req_ids.append(req_id)
             if not launched.finished_prompt[row]:

@@ -25,6 +25,8 @@ class SamplerOutput:
     nonfinite_rows: torch.Tensor | None = None
     # Rows a logits processor could not serve (see LogitsProcessor.take_row_failures).
     row_failures: dict[int, RequestFailure] = field(default_factory=dict)
+    # Why a row may be in ``nonfinite_rows`` (LogitsProcessor.nonfinite_reasons).
+    nonfinite_reasons: dict[int, RequestFailure] = field(default_factory=dict)
     _logprobs_lists: Logprobs | None = field(default=None, init=False, repr=False)
 
     def logprobs_for_row(self, row: int, num_logprobs: int | None = None) -> Logprobs:
@@ -91,9 +93,12 @@ class Sampler(nn.Module):
             assert md.max_num_logprobs is not None
             logprobs_tensors = gather_logprobs(raw_logprobs, md.max_num_logprobs, sampled)
         row_failures: dict[int, RequestFailure] = {}
+        nonfinite_reasons: dict[int, RequestFailure] = {}
         for proc in md.logitsprocs.all:
             row_failures.update(proc.take_row_failures())
-        return SamplerOutput(sampled, logprobs_tensors, nonfinite, row_failures)
+            nonfinite_reasons.update(proc.nonfinite_reasons())
+        return SamplerOutput(sampled, logprobs_tensors, nonfinite, row_failures,
+                             nonfinite_reasons)
 
     @staticmethod
     def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

@@ -47,6 +47,10 @@ def generate(state: SamplingState, outputs: list[list[int]], steps: int,
         md = state.make_sampling_metadata(len(outputs))
         out = sampler(torch.randn(len(outputs), VOCAB, generator=gen) * 5, md)
         failures.update(out.row_failures)
+        # A row left with no token is found by the sampler, as the runner finds it.
+        for row, empty in enumerate(out.nonfinite_rows.tolist()):
+            if empty:
+                failures.setdefault(row, out.nonfinite_reasons.get(row))
         for row, token in enumerate(out.sampled_token_ids.tolist()):
             if row not in failures:
                 outputs[row].append(token)

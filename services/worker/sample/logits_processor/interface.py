@@ -131,6 +131,14 @@ class LogitsProcessor(ABC):
         """
         return {}
 
+    def nonfinite_reasons(self) -> dict[int, RequestFailure]:
+        """Why rows this processor masked may be left with no finite logit.
+
+        Consulted only for rows the sampler finds with none (their request
+        fails): a better reason than "logits not finite". Called every step.
+        """
+        return {}
+
 
 T = TypeVar("T")
 NewStateFn = Callable[[SamplingParams, list[int] | None, list[int]], T | None]

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import torch
 
+from kernels.token_bitmask import apply_token_bitmask
 from services.common.model_runner_output import RequestFailure
-from services.common.sampling_params import SamplingParams
-from services.worker.sample.logits_processor.device_tensors import to_device_tensor
+from services.common.sampling_params import CONSTRAINT_FIELDS, SamplingParams
 from services.worker.sample.logits_processor.interface import (
     BatchUpdate,
     LogitsProcessor,
@@ -62,8 +62,8 @@ class StructuredOutputLogitsProcessor(LogitsProcessor):
     """Masks every token a constrained row's grammar forbids; rows without one are untouched.
 
     Not argmax-invariant, and the last built-in (after min tokens, logit bias
-    and the thinking budget), so it also sees what they masked: a row left
-    with no token at all fails its request with the reason, never samples.
+    and the thinking budget): a row they and the grammar leave with no token
+    at all fails its request (the sampler finds it) with the reason, never samples.
     A terminated grammar allows only the end-of-sequence tokens. A row whose
     constraint has ``reasoning_end_token_ids`` is free until its output holds
     them; the grammar applies to the tokens after. A request
@@ -79,13 +79,17 @@ class StructuredOutputLogitsProcessor(LogitsProcessor):
         if config.grammar is None:
             raise ValueError("StructuredOutputLogitsProcessor needs LogitsProcessorConfig.grammar")
         self._grammar: GrammarBackend = config.grammar
-        self._device = device
-        self._pin_memory = is_pin_memory
         self._bitmask = xgr.allocate_token_bitmask(config.max_num_reqs, config.vocab_size)
         self._rows: dict[int, _GrammarRow] = {}
         self._masked: list[int] = []  # rows masked this step, ascending
         self._failures: dict[int, RequestFailure] = {}
         self._stop_bitmask = self._stop_tokens_bitmask(config.vocab_size)
+        self._no_token_left = {
+            f"structured_outputs.{kind}": RequestFailure.of(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"no token is allowed next: structured_outputs.{kind} forbids every token "
+                "that min_tokens, logit_bias or allowed_token_ids leave")
+            for kind in CONSTRAINT_FIELDS}
 
     def _stop_tokens_bitmask(self, vocab_size: int) -> torch.Tensor:
         # One bitmask row allowing only the end-of-sequence tokens.
@@ -157,30 +161,15 @@ class StructuredOutputLogitsProcessor(LogitsProcessor):
             state.matcher.fill_next_token_bitmask(self._bitmask, row)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        if not self._masked:
-            return logits
-        import xgrammar as xgr
-
-        bitmask = self._bitmask[: logits.shape[0]]
-        if logits.device.type != "cpu":
-            bitmask = bitmask.to(logits.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=self._masked)
-        self._fail_rows_without_tokens(logits)
+        if self._masked:
+            apply_token_bitmask(logits, self._bitmask[: logits.shape[0]], self._masked)
         return logits
 
-    def _fail_rows_without_tokens(self, logits: torch.Tensor) -> None:
+    def nonfinite_reasons(self) -> dict[int, RequestFailure]:
         # The grammar together with min_tokens, logit_bias or allowed_token_ids
-        # may allow nothing; sampling such a row would emit garbage.
-        rows = to_device_tensor(self._masked, torch.int64, self._device, self._pin_memory)
-        empty = torch.isneginf(logits.index_select(0, rows).amax(dim=-1)).tolist()
-        for row, is_empty in zip(self._masked, empty):
-            if is_empty:
-                field = self._rows[row].field
-                self._failures[row] = RequestFailure.of(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"no token is allowed next: {field} forbids every token that "
-                    f"min_tokens, logit_bias or allowed_token_ids leave")
-                del self._rows[row]
+        # may allow nothing; the sampler finds such a row (it checks every
+        # row's logits anyway) and its request fails with this reason.
+        return {row: self._no_token_left[self._rows[row].field] for row in self._masked}
 
     def take_row_failures(self) -> dict[int, RequestFailure]:
         failures, self._failures = self._failures, {}
