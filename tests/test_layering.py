@@ -38,8 +38,10 @@ ALLOWED: dict[str, frozenset[str]] = {
                           "kernels"}),
     "services": frozenset(),  # the bare namespace package
 }
-# Third-party packages a layer must never import (the scheduler holds no tensors).
-FORBIDDEN_PACKAGES: dict[str, frozenset[str]] = {"scheduler": frozenset({"torch", "numpy"})}
+# Third-party packages a layer must never import: the scheduler holds no tensors
+# and no grammars (structured outputs live in the worker).
+FORBIDDEN_PACKAGES: dict[str, frozenset[str]] = {
+    "scheduler": frozenset({"torch", "numpy", "xgrammar"})}
 
 
 def layer_of(module: str) -> str:
@@ -180,10 +182,10 @@ def test_forbidden_third_party_packages() -> None:
 
 
 @pytest.mark.parametrize("module", ["services.scheduler.server"])
-def test_scheduler_process_loads_no_tensor_library(module: str) -> None:
+def test_scheduler_process_loads_no_tensor_or_grammar_library(module: str) -> None:
     """What the scheduler process actually loads, through every module it imports."""
     code = (f"import sys, {module}; "
-            "print(','.join(sorted({'torch', 'numpy'} & set(sys.modules))))")
+            "print(','.join(sorted({'torch', 'numpy', 'xgrammar'} & set(sys.modules))))")
     loaded = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True,
                             capture_output=True, text=True).stdout.strip()
     assert loaded == ""
