@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.frontend.http.conftest import HttpStack
+from tests.frontend.http.conftest import TENANT_KEYS, HttpStack
 
 # Small: the stack's max_model_len is 256 and the tools are part of the prompt.
 WEATHER = {"type": "function", "function": {
@@ -114,3 +114,31 @@ def test_bad_tools_are_a_400_naming_the_field(http_stack: HttpStack, extra, para
         client.chat.completions.create(model=http_stack.model, messages=QUESTION,
                                        max_tokens=4, **extra)
     assert info.value.body["param"] == param
+
+
+def test_auto_reads_the_calls_the_model_writes(http_stack: HttpStack):
+    """The model's own <tool_call> block (made certain here by a grammar) becomes
+    tool_calls, in the answer and in the stream, with the text before it as content."""
+    answer = ('Ok.<tool_call>[{"name":"time","arguments":{"zone":"UTC"}},'
+              '{"name":"weather","arguments":{"city":"Rome"}}]</tool_call>')
+    grammar = "root ::= " + json.dumps(answer)
+    # The frontend with the model's own template, which shows no tools: a short
+    # prompt, room for the random model's many small tokens.
+    client = http_stack.openai(http_stack.keyed, api_key=TENANT_KEYS[0])
+    kwargs = dict(model=http_stack.model, messages=QUESTION, tools=TOOLS, tool_choice="auto",
+                  temperature=0.0, max_tokens=200,
+                  extra_body={"structured_outputs": {"grammar": grammar}})
+
+    whole = client.chat.completions.create(**kwargs)
+    stream = list(client.chat.completions.create(**kwargs, stream=True))
+
+    message = whole.choices[0].message
+    assert message.content == "Ok."
+    expected = [("time", {"zone": "UTC"}), ("weather", {"city": "Rome"})]
+    assert check_calls(message.tool_calls) == expected
+    assert whole.choices[0].finish_reason == "tool_calls"
+    content = "".join(c.choices[0].delta.content or "" for c in stream)
+    names = [d.function.name for c in stream for d in c.choices[0].delta.tool_calls or ()
+             if d.id is not None]
+    assert (content, names) == ("Ok.", ["time", "weather"])
+    assert stream[-1].choices[0].finish_reason == "tool_calls"
