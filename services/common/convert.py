@@ -103,9 +103,9 @@ def _structured_outputs_from_proto(msg: pb.SamplingParams) -> StructuredOutputsP
     if kind is None:
         return None
     value = list(msg.choice.choices) if kind == "choice" else getattr(msg, kind)
-    return StructuredOutputsParams(**{kind: value},
-                                   disable_any_whitespace=msg.disable_any_whitespace,
-                                   reasoning_end_token_ids=list(msg.reasoning_end_token_ids) or None)
+    return StructuredOutputsParams(
+        **{kind: value}, disable_any_whitespace=msg.disable_any_whitespace,
+        reasoning_end_token_ids=list(msg.reasoning_end_token_ids) or None)
 
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:

@@ -37,8 +37,9 @@ class StructuredOutputsParams:
     any whitespace between tokens. ``reasoning_end_token_ids``: the output
     starts inside the model's reasoning, which is free; the constraint
     applies to what follows the first occurrence of these tokens (the
-    frontend sets them when its reasoning parser says the prompt opened one). The frontend checks that the constraint
-    compiles; the worker compiles it once per request, beside the sampler.
+    frontend sets them when its reasoning parser says the prompt opened one).
+    The frontend checks that the constraint compiles; the worker compiles it
+    once per request, beside the sampler.
     """
 
     json: str | dict[str, Any] | None = None
@@ -51,7 +52,8 @@ class StructuredOutputsParams:
     reasoning_end_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
-        # One canonical text per schema: the worker's compile cache keys on it.
+        # Text on the wire and in the worker's compile-cache key. Key order is
+        # kept: xgrammar generates an object's properties in the schema's order.
         if isinstance(self.json, dict):
             self.json = json.dumps(self.json)
         if isinstance(self.structural_tag, dict):

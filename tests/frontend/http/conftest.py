@@ -2,9 +2,10 @@
 gRPC and HTTP on loopback, on one asyncio loop in a background thread.
 
 The worker runs the tiny random Llama carrying SmolLM2's tokenizer. Frontend
-``open`` has no API keys (and SmolLM2's tool-aware chat template); frontend ``keyed`` has two tenants' keys and an
-admin key. The scheduler and the worker serve ``/metrics`` on ports of their
-own. Tests that need the engine idle wait for it (``wait_idle``).
+``open`` has no API keys and SmolLM2's tool-aware chat template; frontend
+``keyed`` has two tenants' keys and an admin key, and the model's own template.
+The scheduler and the worker serve ``/metrics`` on ports of their own. Tests
+that need the engine idle wait for it (``wait_idle``).
 """
 
 from __future__ import annotations

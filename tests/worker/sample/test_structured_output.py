@@ -91,7 +91,8 @@ def test_a_row_rejoining_the_batch_replays_its_output(grammar, tokenizer):
     """Preemption, re-placement on another worker: the matcher is rebuilt from the
     tokens the request already has, so it continues where it stopped."""
     prefix = tokenizer.encode('{"city": "Par', add_special_tokens=False)
-    params = constrained(json={"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+    city = {"type": "string", "maxLength": 8}
+    params = constrained(json={"type": "object", "properties": {"city": city},
                                "required": ["city"]}, disable_any_whitespace=True)
     state = SamplingState(1, VOCAB, CPU, grammar=grammar)
     output = list(prefix)

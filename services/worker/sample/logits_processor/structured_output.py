@@ -137,7 +137,7 @@ class StructuredOutputLogitsProcessor(LogitsProcessor):
         if state.matcher is None:
             try:
                 compiled = state.compiled.result()  # waits only for a cold grammar
-            except ValueError as e:
+            except Exception as e:  # invalid (ValueError) or xgrammar failed: this row alone
                 return RequestFailure.of(grpc.StatusCode.INVALID_ARGUMENT,
                                          f"{state.field} cannot be compiled: {e}")
             state.matcher = self._grammar.new_matcher(compiled)
