@@ -4,7 +4,11 @@ streamed, with tool calls read from the content; constraints start after the rea
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterator
 
+import openai
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -14,8 +18,11 @@ from services.frontend.http.responses import ChatFormat
 from services.frontend.http.tool_calls import ChatToolCalls
 from services.frontend.outputs import CompletionOutput
 from services.frontend.reasoning import get_reasoning_parser
+from services.frontend.server import FrontendServer, serve_frontend
 from services.frontend.tool_parsers import get_tool_parser
 from services.frontend.tokenizer import load_tokenizer
+from tests.frontend.http.conftest import HttpStack
+from tests.frontend.test_frontend_server import frontend_config
 
 ANSWER = ("The user wants the weather.</think>Let me check."
           '<tool_call>[{"name": "weather", "arguments": {"city": "Paris"}}]</tool_call>')
@@ -68,3 +75,43 @@ def test_a_constraint_starts_after_the_reasoning(default_model_dir):
     params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
     constrain_after_reasoning(params, get_reasoning_parser("think"), tokenizer)
     assert params.structured_outputs.reasoning_end_token_ids is None
+
+
+@pytest.fixture(scope="module")
+def reasoning_frontend(http_stack: HttpStack, http_model_dir) -> Iterator[FrontendServer]:
+    """A frontend with --reasoning-parser deepseek_r1 on the HTTP stack's scheduler."""
+    async def start() -> FrontendServer:
+        frontend = await serve_frontend(frontend_config(
+            http_model_dir, http_stack.scheduler.address, http_port=0,
+            reasoning_parser="deepseek_r1"))
+        await frontend.engine_core.wait_connected(10)
+        return frontend
+
+    frontend = http_stack.loop.run(start())
+    yield frontend
+    http_stack.loop.run(frontend.stop(1.0))
+
+
+def test_through_the_server_thinking_is_reasoning_content_and_free(
+        http_stack: HttpStack, reasoning_frontend: FrontendServer):
+    """deepseek_r1: answers start inside the thinking. The random model never closes
+    it, so everything is reasoning_content, and a constraint has not begun: the
+    thinking is free (without the parser the same request answers in digits)."""
+    client = openai.OpenAI(base_url=f"{reasoning_frontend.http.url}/v1", api_key="none",
+                           max_retries=0)
+    plain = http_stack.openai()
+    kwargs = dict(model=http_stack.model, messages=[{"role": "user", "content": "Think."}],
+                  temperature=0.0, max_tokens=12,
+                  extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
+
+    answer = client.chat.completions.create(**kwargs)
+    stream = list(client.chat.completions.create(**kwargs, stream=True))
+    without_parser = plain.chat.completions.create(**kwargs)
+
+    message = answer.choices[0].message
+    assert message.content == "" and message.reasoning_content
+    assert not message.reasoning_content.isdigit()
+    streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or ""
+                       for c in stream)
+    assert streamed == message.reasoning_content
+    assert re.fullmatch("[0-9]{3}", without_parser.choices[0].message.content)
