@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from services.frontend.parser_registry import make_parser
 from services.frontend.reasoning.think import ReasoningParser, ReasoningStreamer
 
 # DeepSeek-R1's template opens <think> in the prompt, so its answers start
@@ -23,12 +24,7 @@ REASONING_PARSER_NAMES = tuple(sorted(_PARSERS))
 
 def get_reasoning_parser(name: str) -> ReasoningParser:
     """The parser registered as ``name``; ValueError naming the known ones otherwise."""
-    factory = _PARSERS.get(name)
-    if factory is None:
-        raise ValueError(
-            f"unknown reasoning parser {name!r}; known parsers: {', '.join(sorted(_PARSERS))}"
-        )
-    return factory()
+    return make_parser("reasoning", _PARSERS, name)
 
 
 __all__ = ["REASONING_PARSER_NAMES", "ReasoningParser", "ReasoningStreamer",

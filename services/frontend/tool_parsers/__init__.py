@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from services.frontend.parser_registry import make_parser
 from services.frontend.tool_parsers.base import (
     ExtractedToolCalls,
     StreamDelta,
@@ -31,12 +32,7 @@ TOOL_PARSER_NAMES = tuple(sorted(_PARSERS))
 
 def get_tool_parser(name: str) -> ToolParser:
     """The parser registered as ``name``; ValueError naming the known ones otherwise."""
-    factory = _PARSERS.get(name)
-    if factory is None:
-        raise ValueError(
-            f"unknown tool parser {name!r}; known parsers: {', '.join(sorted(_PARSERS))}"
-        )
-    return factory()
+    return make_parser("tool", _PARSERS, name)
 
 
 __all__ = [

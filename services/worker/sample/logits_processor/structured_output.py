@@ -93,9 +93,7 @@ class StructuredOutputLogitsProcessor(LogitsProcessor):
 
     def _stop_tokens_bitmask(self, vocab_size: int) -> torch.Tensor:
         # One bitmask row allowing only the end-of-sequence tokens.
-        import xgrammar as xgr
-
-        words = [0] * xgr.allocate_token_bitmask(1, vocab_size).shape[1]
+        words = [0] * -(-vocab_size // 32)
         for token_id in self._grammar.stop_token_ids:
             word, bit = divmod(token_id, 32)
             words[word] |= 1 << bit
