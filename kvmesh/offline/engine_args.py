@@ -8,10 +8,12 @@ it builds the configs each service defines (``SchedulingLimits``,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from services.common.limits import SchedulingLimits
+from services.common.speculative import SpeculativeConfig
 from services.common.validation import DEFAULT_MAX_LOGPROBS
 from services.scheduler.config import SchedulingOptions
 from services.worker.config import LatencyModel, WorkerConfig
@@ -51,6 +53,9 @@ class EngineArgs:
     stream_interval: int = 1
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     cudagraph_mode: str | None = None
+    # Speculative decoding (vLLM's speculative_config): a SpeculativeConfig or its
+    # fields as a dict, e.g. {"method": "ngram", "num_speculative_tokens": 5}.
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None
     # True, or the LatencyModel to wait: the simulated worker (no model).
     simulate: bool | LatencyModel = False
 
@@ -79,4 +84,9 @@ class EngineArgs:
             max_model_len=self.max_model_len, logits_processors=list(self.logits_processors),
             cudagraph_mode=self.cudagraph_mode,
             simulate=LatencyModel() if self.simulate is True else self.simulate or None,
+            speculative_config=self.resolved_speculative_config(),
         )
+
+    def resolved_speculative_config(self) -> SpeculativeConfig | None:
+        spec = self.speculative_config
+        return SpeculativeConfig.from_dict(spec) if isinstance(spec, dict) else spec

@@ -305,7 +305,17 @@ def scheduler_output_to_proto(s: SchedulerOutput) -> pb.SchedulerOutput:
         finished_req_ids=sorted(s.finished_req_ids),
         step_id=s.step_id,
         durable_step_id=s.durable_step_id,
+        num_draft_tokens=_draft_column(s.num_draft_tokens, s.scheduled_new_reqs, cached.req_ids),
     )
+
+
+def _draft_column(num_draft_tokens: dict[str, int], new_reqs: list[NewRequestData],
+                  cached_req_ids: list[str]) -> list[int]:
+    """The draft budgets in num_scheduled_tokens' order; [] when there is none."""
+    if not num_draft_tokens:
+        return []
+    get = num_draft_tokens.get
+    return [get(r.req_id, 0) for r in new_reqs] + [get(r, 0) for r in cached_req_ids]
 
 
 def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
@@ -326,8 +336,10 @@ def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
     num_reqs = len(req_ids)
     if not (len(cached.resumed_from_preemption) == len(cached.num_computed_tokens)
             == len(cached.num_new_block_ids) == num_reqs
-            and len(msg.num_scheduled_tokens) == len(new_reqs) + num_reqs):
+            and len(msg.num_scheduled_tokens) == len(new_reqs) + num_reqs
+            and len(msg.num_draft_tokens) in (0, num_reqs + len(new_reqs))):
         raise ValueError("SchedulerOutput columns of different lengths")
+    all_req_ids = [r.req_id for r in new_reqs] + req_ids
     return SchedulerOutput(
         scheduled_new_reqs=new_reqs,
         scheduled_cached_reqs=CachedRequestData(
@@ -336,12 +348,12 @@ def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
             new_block_ids=_split(cached.new_block_ids, cached.num_new_block_ids),
             num_computed_tokens=list(cached.num_computed_tokens),
         ),
-        num_scheduled_tokens=dict(zip([r.req_id for r in new_reqs] + req_ids,
-                                      msg.num_scheduled_tokens)),
+        num_scheduled_tokens=dict(zip(all_req_ids, msg.num_scheduled_tokens)),
         total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
         finished_req_ids=set(msg.finished_req_ids),
         step_id=msg.step_id,
         durable_step_id=msg.durable_step_id,
+        num_draft_tokens={r: n for r, n in zip(all_req_ids, msg.num_draft_tokens) if n},
     )
 
 
@@ -362,6 +374,8 @@ def model_runner_output_to_proto(o: ModelRunnerOutput) -> pb.ModelRunnerOutput:
         req_ids=o.req_ids,
         sampled_token_ids=list(chain.from_iterable(o.sampled_token_ids)),
         num_sampled_token_ids=list(map(len, o.sampled_token_ids)),
+        num_draft_tokens=([o.num_draft_tokens.get(r, 0) for r in o.req_ids]
+                          if o.num_draft_tokens else []),
         failed=[
             pb.ModelRunnerOutput.RequestFailure(
                 req_id=req_id, status_code=f.status_code, message=f.message
@@ -383,10 +397,14 @@ def model_runner_output_from_proto(msg: pb.ModelRunnerOutput) -> ModelRunnerOutp
     if len(msg.num_sampled_token_ids) != len(msg.req_ids):
         raise ValueError(f"{len(msg.req_ids)} request ids but "
                          f"{len(msg.num_sampled_token_ids)} token counts")
+    if len(msg.num_draft_tokens) not in (0, len(msg.req_ids)):
+        raise ValueError(f"{len(msg.req_ids)} request ids but "
+                         f"{len(msg.num_draft_tokens)} draft counts")
     out = ModelRunnerOutput(
         req_ids=list(msg.req_ids),
         sampled_token_ids=_split(msg.sampled_token_ids, msg.num_sampled_token_ids),
         step_id=msg.step_id,
+        num_draft_tokens={r: n for r, n in zip(msg.req_ids, msg.num_draft_tokens) if n},
     )
     for r in msg.logprobs:
         if r.HasField("logprobs"):
@@ -424,6 +442,8 @@ def registration_message(r: WorkerRegistration) -> spb.WorkerMessage:
         worker_id=r.worker_id, model=r.model, dtype=r.dtype, block_size=r.block_size,
         num_blocks=r.num_blocks, max_model_len=r.max_model_len, vocab_size=r.vocab_size,
         eos_token_ids=r.eos_token_ids, dirty_block_ids=r.dirty_block_ids,
+        num_speculative_tokens=r.num_speculative_tokens,
+        speculative_disable_by_batch_size=r.speculative_disable_by_batch_size,
     )
     if r.limits is not None:
         msg.max_num_seqs = r.limits.max_num_seqs
@@ -440,6 +460,7 @@ def _registration_from_proto(r: spb.WorkerRegistration) -> WorkerRegistration:
     return WorkerRegistration(
         r.worker_id, r.model, r.dtype, r.block_size, r.num_blocks, r.max_model_len,
         r.vocab_size, list(r.eos_token_ids), limits, list(r.dirty_block_ids),
+        r.num_speculative_tokens, r.speculative_disable_by_batch_size,
     )
 
 

@@ -38,6 +38,8 @@ class ModelRunnerOutput:
     ``logprobs`` and ``prompt_logprobs`` hold entries only for requests that
     asked for them. ``failed`` holds the requests of the step the worker
     could not serve and has dropped; they appear nowhere else.
+    ``num_draft_tokens`` holds, for each request that verified drafts, how
+    many: its sampled tokens are the drafts accepted, then one more.
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -46,3 +48,4 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)
     step_id: int = 0
     failed: dict[str, RequestFailure] = field(default_factory=dict)
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)

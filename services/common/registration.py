@@ -17,6 +17,10 @@ class WorkerRegistration:
     ``dirty_block_ids`` are blocks the worker may have written since the
     scheduler's mirror last became durable: their stored index entries may
     describe KV that is gone, so they are never recovered.
+    ``num_speculative_tokens`` > 0: the worker drafts (speculative decoding)
+    and the scheduler grants each decoding request up to that many draft
+    slots a step, none while more than ``speculative_disable_by_batch_size``
+    requests run (0: no such bound).
     """
 
     worker_id: str
@@ -29,3 +33,5 @@ class WorkerRegistration:
     eos_token_ids: list[int] = field(default_factory=list)
     limits: SchedulingLimits | None = None
     dirty_block_ids: list[int] = field(default_factory=list)
+    num_speculative_tokens: int = 0
+    speculative_disable_by_batch_size: int = 0

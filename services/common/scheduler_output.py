@@ -50,3 +50,6 @@ class SchedulerOutput:
     # The newest step whose block changes the scheduler's mirror holds
     # durably; -1: none since the worker registered.
     durable_step_id: int = -1
+    # Draft budget per decoding request (speculative decoding): its
+    # num_scheduled_tokens is 1 + this, slots allocated; absent = 0.
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)

@@ -2,7 +2,54 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+
+from services.common.model_runner_output import ModelRunnerOutput
+
+
+@dataclass(slots=True)
+class SpecDecodingStats:
+    """Speculative decoding's counters, cumulative (vLLM's SpecDecodingStats).
+
+    A draft is one request's drafts verified in one step; its accepted tokens
+    are the leading drafts the target model agreed with.
+    ``num_accepted_tokens_per_pos[i]`` counts drafts whose token ``i`` was accepted.
+    """
+
+    num_spec_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    @classmethod
+    def new(cls, num_spec_tokens: int) -> SpecDecodingStats:
+        return cls(num_spec_tokens, num_accepted_tokens_per_pos=[0] * num_spec_tokens)
+
+    def observe(self, output: ModelRunnerOutput) -> None:
+        """Counts the drafts a step verified (the sampled tokens are the accepted
+        drafts, then one more)."""
+        per_pos = self.num_accepted_tokens_per_pos
+        for req_id, sampled in zip(output.req_ids, output.sampled_token_ids):
+            num_drafts = output.num_draft_tokens.get(req_id, 0)
+            if not num_drafts:
+                continue
+            num_accepted = min(len(sampled) - 1, num_drafts)
+            self.num_drafts += 1
+            self.num_draft_tokens += num_drafts
+            self.num_accepted_tokens += num_accepted
+            for pos in range(min(num_accepted, len(per_pos))):
+                per_pos[pos] += 1
+
+    def copy(self) -> SpecDecodingStats:
+        return dataclasses.replace(
+            self, num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos))
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verified draft, the sampled one included (1.0 = nothing accepted)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 @dataclass(slots=True)
@@ -30,6 +77,7 @@ class SchedulerStats:
     block_map: bytes = b""  # see kvmesh.v1.WorkerStats.block_map
     blocks_per_cell: int = 0
     num_cached_free_blocks: int = 0  # filled with the block map
+    spec_decoding: SpecDecodingStats | None = None  # None: the worker does not draft
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -80,13 +80,18 @@ class SchedulerConfig(SchedulingOptions):
 
     ``num_blocks`` is what the worker reported and INCLUDES the null block 0,
     so ``num_blocks - 1`` blocks can hold KV. ``max_model_len`` bounds prompt
-    plus output tokens of one request.
+    plus output tokens of one request. ``num_speculative_tokens`` > 0 grants
+    each decoding request that many draft slots a step (fewer near its
+    ``max_tokens`` or ``max_model_len``), none while more than
+    ``speculative_disable_by_batch_size`` requests run (0: no bound).
     """
 
     num_blocks: int
     block_size: int = 16
     max_model_len: int = 2048
     engine_index: int = 0
+    num_speculative_tokens: int = 0
+    speculative_disable_by_batch_size: int = 0
 
     def __post_init__(self) -> None:
         SchedulingOptions.__post_init__(self)
@@ -95,6 +100,9 @@ class SchedulerConfig(SchedulingOptions):
         # One prompt token plus one generated token is the smallest useful request.
         _check_at_least("max_model_len", self.max_model_len, 2)
         _check_at_least("engine_index", self.engine_index, 0)
+        _check_at_least("num_speculative_tokens", self.num_speculative_tokens, 0)
+        _check_at_least("speculative_disable_by_batch_size",
+                        self.speculative_disable_by_batch_size, 0)
 
     @property
     def num_usable_blocks(self) -> int:
@@ -187,6 +195,8 @@ def make_scheduler_config(
         block_size=registration.block_size,
         max_model_len=registration.max_model_len,
         engine_index=engine_index,
+        num_speculative_tokens=registration.num_speculative_tokens,
+        speculative_disable_by_batch_size=registration.speculative_disable_by_batch_size,
         **shared,
     )
 

@@ -61,9 +61,13 @@ def _check_queues(scheduler: Scheduler) -> None:
         )
     for r in running:
         assert r.status == RequestStatus.RUNNING, f"running request {r.request_id} has status {r.status.name}"
-        assert 0 < r.num_computed_tokens <= r.num_tokens < scheduler.max_model_len, (
+        # Steps in flight compute the positions of the tokens they sample but the
+        # last (placeholders), drafts included.
+        most = r.num_tokens + max(r.num_output_placeholders - 1, 0)
+        assert 0 < r.num_computed_tokens <= most and r.num_tokens < scheduler.max_model_len, (
             f"running request {r.request_id}: num_computed_tokens {r.num_computed_tokens}, "
-            f"num_tokens {r.num_tokens}, max_model_len {scheduler.max_model_len}"
+            f"num_tokens {r.num_tokens}, {r.num_output_placeholders} placeholders, "
+            f"max_model_len {scheduler.max_model_len}"
         )
 
 
@@ -74,12 +78,16 @@ def _check_request_blocks(scheduler: Scheduler) -> None:
     holders = {req_id for req_id, blocks in kv.req_to_blocks.items() if blocks}
     running = {r.request_id for r in scheduler.running}
     assert holders <= running, f"requests hold blocks but are not running: {sorted(holders - running)}"
+    # Slots of rejected drafts stay with their request for its next drafts.
+    num_spec = scheduler.config.num_speculative_tokens
     for r in scheduler.running:
         blocks = kv.req_to_blocks.get(r.request_id, [])
         expected = -(-r.num_computed_tokens // block_size)
-        assert len(blocks) == expected, (
+        most = -(-(r.num_computed_tokens + num_spec) // block_size)
+        assert expected <= len(blocks) <= most, (
             f"request {r.request_id} holds {len(blocks)} blocks for "
             f"{r.num_computed_tokens} computed tokens, expected {expected}"
+            + (f" to {most} (draft slots)" if most > expected else "")
         )
         for i, block in enumerate(blocks):
             assert not block.is_null, f"request {r.request_id} holds the null block"

@@ -19,6 +19,14 @@ position; the worker feeds in the token it sampled, and the output fills the
 placeholder. A request that stops on a token found one step late has its
 extra token dropped. Outputs must come back in step order; with one step at a
 time (synchronous) placeholders are always filled before the next schedule.
+
+Speculative decoding (the worker drafts, ``num_speculative_tokens`` > 0): a
+decoding request is granted up to k draft slots, scheduled as 1 + k tokens
+with 1 + k placeholders. The worker answers with the drafts it accepted and
+one more token; the scheduler rolls ``num_computed_tokens`` back by the rest.
+Blocks past the rollback stay with the request for its next drafts. A step
+already in flight was scheduled from the unrolled count; the worker, which
+knows what it accepted, shifts that step's positions down itself.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from services.common.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from services.common.stats import SchedulerStats
+from services.common.stats import SchedulerStats, SpecDecodingStats
 from services.scheduler.block_hash import get_request_block_hasher
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
@@ -95,6 +103,7 @@ class Scheduler:
         self._num_preemptions = 0
         self._prefix_cache_queries = 0
         self._prefix_cache_hits = 0
+        self.spec_stats = SpecDecodingStats.new(config.num_speculative_tokens)
         self.finished_req_times: list[RequestTimes] | None = [] if log_stats else None
 
     # ------------------------------------------------------------ requests
@@ -250,13 +259,21 @@ class Scheduler:
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
+            num_drafts = self._num_draft_tokens(request, num_computed_tokens, num_new_tokens,
+                                                token_budget)
+            num_new_tokens += num_drafts
             while (new_blocks := allocate_slots(request, num_new_tokens)) is None:
+                if num_drafts:  # drafts are the first thing to go when blocks run out
+                    num_new_tokens -= num_drafts
+                    num_drafts = 0
+                    continue
                 victim_index = self._select_victim_index()
                 victim = running.pop(victim_index)
                 if victim_index < req_index:
                     # Scheduled earlier in this step: take its tokens back.
                     req_index -= 1
                     token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    output.num_draft_tokens.pop(victim.request_id, None)
                     _remove_cached_request(cached, victim.request_id)
                 self._preempt(victim)
                 preempted = True
@@ -264,8 +281,10 @@ class Scheduler:
                     break
             if new_blocks is None:
                 continue  # it preempted itself; running[req_index] is the next one
-            _advance(request, num_computed_tokens + num_new_tokens)
+            _advance(request, num_computed_tokens + num_new_tokens, num_drafts)
             num_scheduled_tokens[request.request_id] = num_new_tokens
+            if num_drafts:
+                output.num_draft_tokens[request.request_id] = num_drafts
             token_budget -= num_new_tokens
             cached.req_ids.append(request.request_id)
             cached.resumed_from_preemption.append(False)
@@ -273,6 +292,23 @@ class Scheduler:
             cached.num_computed_tokens.append(num_computed_tokens)
             req_index += 1
         return token_budget, preempted
+
+    def _num_draft_tokens(self, request: Request, num_computed_tokens: int,
+                          num_new_tokens: int, token_budget: int) -> int:
+        """Draft slots for a request whose step computes its last token and samples
+        the next: within the budget, ``max_tokens`` (counting the tokens steps in
+        flight may sample) and ``max_model_len``; none for a prefill chunk."""
+        k = self.config.num_speculative_tokens
+        if not k or num_new_tokens != 1 or \
+                num_computed_tokens + 1 != request.num_tokens + request.num_output_placeholders:
+            return 0
+        limit = self.config.speculative_disable_by_batch_size
+        if limit and len(self.running) > limit:
+            return 0
+        if request.max_tokens is not None:
+            k = min(k, request.max_tokens - request.num_output_tokens
+                    - request.num_output_placeholders - 1)
+        return max(0, min(k, token_budget - 1, self.max_model_len - 2 - num_computed_tokens))
 
     def _select_victim_index(self) -> int:
         """Index in ``running`` of the lowest-priority, latest-arriving request."""
@@ -370,6 +406,9 @@ class Scheduler:
         running_status = RequestStatus.RUNNING
         any_stopped = False
         stopped_waiting: list[Request] = []
+        draft_budgets = scheduler_output.num_draft_tokens
+        if model_runner_output.num_draft_tokens:
+            self.spec_stats.observe(model_runner_output)
         for req_id, sampled in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids):
             request = requests.get(req_id)
             if request is None or req_id not in scheduled:
@@ -379,7 +418,10 @@ class Scheduler:
                 if sampled:
                     if not request.num_output_placeholders:
                         continue  # a token for a prefill chunk: not the worker's to sample
-                    request.num_output_placeholders -= 1
+                    num_drafts = draft_budgets.get(req_id, 0) if draft_budgets else 0
+                    request.num_output_placeholders -= 1 + num_drafts
+                    # Positions of rejected drafts (and of unused budget) are computed again.
+                    request.num_computed_tokens -= 1 + num_drafts - len(sampled)
             elif status is not RequestStatus.PREEMPTED:
                 continue
             new_token_ids, stopped = self._append_tokens(request, sampled)
@@ -503,15 +545,17 @@ class Scheduler:
             prefix_cache_queries=self._prefix_cache_queries,
             prefix_cache_hits=self._prefix_cache_hits,
             num_evicted_blocks=kv.block_pool.num_evicted_blocks,
+            spec_decoding=self.spec_stats.copy() if self.config.num_speculative_tokens else None,
         )
 
 
-def _advance(request: Request, num_computed_tokens: int) -> None:
+def _advance(request: Request, num_computed_tokens: int, num_drafts: int = 0) -> None:
     """Sets the request's computed positions after scheduling; a step that
-    reaches its last token samples the next one, which gets a placeholder."""
+    reaches its last token samples the next one, which gets a placeholder, and
+    as many more as it has draft slots (each may be accepted)."""
     request.num_computed_tokens = num_computed_tokens
-    if num_computed_tokens == request.num_tokens + request.num_output_placeholders:
-        request.num_output_placeholders += 1
+    if num_computed_tokens - num_drafts == request.num_tokens + request.num_output_placeholders:
+        request.num_output_placeholders += 1 + num_drafts
 
 
 def _remove_cached_request(cached: CachedRequestData, req_id: str) -> None:

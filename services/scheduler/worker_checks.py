@@ -19,6 +19,7 @@ from services.common.model_runner_output import (
 )
 from services.common.registration import WorkerRegistration
 from services.common.scheduler_output import SchedulerOutput
+from services.common.speculative import MAX_SPECULATIVE_TOKENS
 from services.scheduler.config import RegistrationBounds
 
 # Worker ids name Redis keys and log lines: hostname-like, bounded.
@@ -45,6 +46,9 @@ def check_registration(registration: WorkerRegistration, bounds: RegistrationBou
         _check_range("max_num_seqs", r.limits.max_num_seqs, 1, bounds.max_num_seqs)
         _check_range("max_num_batched_tokens", r.limits.max_num_batched_tokens, 1,
                      bounds.max_num_batched_tokens)
+    _check_range("num_speculative_tokens", r.num_speculative_tokens, 0, MAX_SPECULATIVE_TOKENS)
+    _check_range("speculative_disable_by_batch_size", r.speculative_disable_by_batch_size, 0,
+                 bounds.max_num_seqs)
 
 
 def _check_range(field: str, value: int, low: int, high: int) -> None:
@@ -58,7 +62,9 @@ def check_runner_output(
     """Raises WorkerProtocolError unless ``output`` answers ``step`` honestly.
 
     Every scheduled request appears exactly once, as an output or a failure,
-    with at most one sampled token id in [0, vocab_size); logprob rows belong to
+    with at most one sampled token id in [0, vocab_size), or with a draft
+    budget: at least one and at most one more than the drafts it verified,
+    which are within the budget; logprob rows belong to
     requests of the step and never outnumber what was sampled or computed; a
     failed request was scheduled, has no output, and a bounded message with
     an allowed status.
@@ -76,9 +82,8 @@ def check_runner_output(
         if req_id not in scheduled:
             raise WorkerProtocolError(f"output for request {req_id[:80]!r}, not scheduled "
                                       f"in step {step.step_id}")
-        if len(sampled) > 1 or any(not 0 <= t < vocab_size for t in sampled):
-            raise WorkerProtocolError(f"request {req_id!r}: sampled {sampled[:4]}, allowed: "
-                                      f"at most one token id in [0, {vocab_size})")
+        _check_sampled(req_id, sampled, step.num_draft_tokens.get(req_id, 0),
+                       output.num_draft_tokens.get(req_id, 0), vocab_size)
     for req_id, failure in output.failed.items():
         _check_failure(req_id, failure, scheduled)
     if not output.failed.keys().isdisjoint(output.req_ids):
@@ -92,6 +97,19 @@ def check_runner_output(
         _check_logprob_rows("logprobs", req_id, rows, sampled_counts.get(req_id, 0), vocab_size)
     for req_id, rows in output.prompt_logprobs.items():
         _check_logprob_rows("prompt_logprobs", req_id, rows, scheduled.get(req_id, 0), vocab_size)
+
+
+def _check_sampled(req_id: str, sampled: list[int], budget: int, num_drafts: int,
+                   vocab_size: int) -> None:
+    if not 0 <= num_drafts <= budget:
+        raise WorkerProtocolError(f"request {req_id!r}: verified {num_drafts} drafts, "
+                                  f"allowed range is [0, {budget}] (its draft budget)")
+    low = 1 if num_drafts else 0
+    if not low <= len(sampled) <= num_drafts + 1 \
+            or any(not 0 <= t < vocab_size for t in sampled):
+        raise WorkerProtocolError(
+            f"request {req_id!r}: sampled {sampled[:4]}, allowed: {low} to {num_drafts + 1} "
+            f"token ids in [0, {vocab_size})")
 
 
 def _check_failure(req_id: str, failure: RequestFailure, scheduled: dict[str, int]) -> None:

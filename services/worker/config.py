@@ -22,6 +22,7 @@ import torch
 from services.common.limits import SchedulingLimits
 from services.common.max_model_len import get_sliding_window, max_model_len_limit
 from services.common.security import TlsConfig
+from services.common.speculative import SpeculativeConfig
 from services.worker.cudagraph import CUDAGraphMode, default_capture_sizes
 from services.worker.cpu_capability import CpuCapability, detect_cpu_capability
 from services.worker.cudagraph.dispatcher import DEFAULT_MAX_CAPTURE_SIZE
@@ -274,6 +275,8 @@ class WorkerConfig:
     ``cudagraph_capture_sizes`` token counts, by default 1, 2, 4, 8, then steps
     of 8 (16 past 256) up to ``max_cudagraph_capture_size`` (default
     min(512, 2 * max_num_seqs, max_num_batched_tokens)).
+    ``speculative_config``: draft and verify tokens (speculative decoding;
+    None: off); the worker registers its draft budget with the scheduler.
     """
 
     model: str | None = None
@@ -296,11 +299,15 @@ class WorkerConfig:
     cudagraph_capture_sizes: list[int] | None = None
     max_cudagraph_capture_size: int | None = None
     simulate: LatencyModel | None = None
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.simulate is not None and torch.device(self.device).type != "cpu":
             raise ValueError(f"simulate runs on the CPU (its model is a modelled wait), "
                              f"not on {self.device!r}")
+        if self.simulate is not None and self.speculative_config is not None:
+            raise ValueError("speculative_config needs the model: the simulated worker "
+                             "samples no distribution to verify drafts against")
         if self.block_size < 1:
             raise ValueError(f"block_size is {self.block_size}, must be >= 1")
         if self.num_threads is not None and self.num_threads < 1:

@@ -54,6 +54,7 @@ class GrammarBackend:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        self._tokenizer = tokenizer
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None)
         return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
@@ -78,6 +79,11 @@ class GrammarBackend:
         compiler = self._compiler.result()
         grammar = build_grammar(so)  # ValueError for an invalid constraint
         return compiler.compile_grammar(grammar)
+
+    def encode(self, text: str) -> list[int]:
+        """``text``'s token ids (no special tokens): a string the grammar forces, as drafts."""
+        self._compiler.result()  # the tokenizer is read with it
+        return self._tokenizer.encode(text, add_special_tokens=False)
 
     def new_matcher(self, compiled: xgrammar.CompiledGrammar) -> xgrammar.GrammarMatcher:
         """A fresh matcher at the grammar's start."""

@@ -21,6 +21,7 @@ from services.common.sampling_params import SamplingParams
 from services.worker.block_table import BlockTable
 from services.worker.grammar import GrammarBackend
 from services.worker.sample import SamplingState, ThinkingConfig
+from services.worker.spec_decode import DraftState
 
 
 @dataclass(slots=True)
@@ -41,6 +42,8 @@ class CachedRequestState:
     # Prompt positions whose logprobs were already returned (recompute after a
     # preemption must not send them twice).
     num_prompt_logprobs_sent: int = 0
+    # Speculative decoding: its drafts for the next step (None: the worker does not draft).
+    drafts: DraftState | None = None
 
     @property
     def num_tokens(self) -> int:

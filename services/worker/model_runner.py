@@ -10,6 +10,13 @@ runs the model, computes logits only at each request's last scheduled token,
 and samples; ``finish_step`` waits for the device and records the sampled
 tokens. ``execute_model`` does all three. CUDA graphs are captured once,
 before the first step (``capture_model``).
+
+With speculative decoding (``speculative``) each request's drafts, proposed
+when its step finishes, ride in the next step after its last sampled token;
+the step's logits cover every one of their positions and the
+``RejectionSampler`` samples them in turn. Such a step needs the previous
+one finished before it is prepared (``overlaps_steps`` is False), since its
+positions and drafts depend on what that step accepted.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import grpc
 import numpy as np
@@ -27,6 +35,7 @@ from torch import nn
 from services.common.engine import Logprobs
 from services.common.model_runner_output import ModelRunnerOutput, RequestFailure
 from services.common.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from services.common.speculative import SpeculativeConfig
 from services.worker.attention.backend import get_attention_backend
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.compilation import compile_piece, cpp_compiler_available
@@ -41,6 +50,11 @@ from services.worker.forward_context import BatchDescriptor, ForwardContext
 from services.worker.grammar import GrammarBackend
 from services.worker.input_batch import CachedRequestState, InputBatch
 from services.worker.sample import Sampler, SamplerOutput, ThinkingConfig, compute_prompt_logprobs
+from services.worker.sample.logits_processor.structured_output import (
+    StructuredOutputLogitsProcessor,
+)
+from services.worker.spec_decode import Drafter, DraftState
+from services.worker.spec_decode.rejection_sampler import RejectionSampler, VerifiedRow
 from services.worker.step_events import COMPLETED, CudaStepEvent, StepEvent
 
 logger = logging.getLogger(__name__)
@@ -67,6 +81,8 @@ class StepInputs:
     num_scheduled_tokens: np.ndarray  # int32 [num_reqs], in batch row order
     cudagraph_runtime_mode: CUDAGraphMode
     batch_descriptor: BatchDescriptor
+    # Speculative decoding: each row's drafts in this step, None when no row has any.
+    drafts: list[list[int]] | None = None
 
 
 @dataclass(slots=True)
@@ -96,6 +112,9 @@ class LaunchedStep:
     finished_prompt: list[bool] = field(default_factory=list)
     num_logprobs: list[int | None] | None = None  # per row, when any row asked
     prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    # A step with drafts: each row's samples (already recorded), and its drafts.
+    verified: list[VerifiedRow | None] | None = None
+    drafts: list[list[int]] | None = None
 
 
 class _StagedBuffer:
@@ -146,6 +165,7 @@ class ModelRunner:
         cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE,
         cudagraph_capture_sizes: Sequence[int] = (),  # each in [1, max_num_batched_tokens]
         compile_pieces: bool = False,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.model = model
         self.model_config = model_config
@@ -162,6 +182,8 @@ class ModelRunner:
         )
         self.grammar = grammar
         self.sampler = Sampler()
+        self.drafter = Drafter(speculative) if speculative is not None else None
+        self.rejection_sampler = RejectionSampler(self.sampler, _NONFINITE_FAILURE)
         # Requests still owed prompt logprobs; usually empty, so the per-step
         # check costs nothing for everyone else.
         self._prompt_logprobs_req_ids: set[str] = set()
@@ -188,6 +210,11 @@ class ModelRunner:
             model.pack_weights_()  # type: ignore[operator]
         self._init_cudagraphs(cudagraph_mode, list(cudagraph_capture_sizes))
         self.compiled_pieces = compile_pieces and self._init_compilation()
+
+    @property
+    def overlaps_steps(self) -> bool:
+        """Whether a step may be prepared before the previous one is finished."""
+        return self.drafter is None
 
     def _init_compilation(self) -> bool:
         """Compiles the pieces between attention calls and, where the model offers it,
@@ -286,6 +313,7 @@ class ModelRunner:
             block_ids=list(new_req.block_ids),
             num_computed_tokens=new_req.num_computed_tokens,
             output_token_ids=list(new_req.output_token_ids),
+            drafts=DraftState() if self.drafter is not None else None,
         )
         if new_req.sampling_params.prompt_logprobs is not None:
             if state.output_token_ids:
@@ -317,6 +345,11 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens[i]
             new_block_ids = cached.new_block_ids[i]
             resumed = cached.resumed_from_preemption[i]
+            if self.drafter is not None:
+                # Scheduled before the scheduler saw the previous step's rejected
+                # drafts (asynchronous scheduling), it counts them as computed.
+                # Every token this worker holds but the last is computed.
+                state.num_computed_tokens = min(state.num_computed_tokens, state.num_tokens - 1)
             if resumed:
                 state.block_ids = list(new_block_ids)
             else:
@@ -352,6 +385,7 @@ class ModelRunner:
         num_scheduled = np.fromiter(
             (scheduled[req_id] for req_id in batch.req_ids), dtype=np.int32, count=num_reqs
         )
+        drafts = self._place_drafts(scheduler_output, num_scheduled)
         cu_num_tokens = np.cumsum(num_scheduled)
         num_tokens = int(cu_num_tokens[-1])
         if num_tokens > self.max_num_batched_tokens:
@@ -369,7 +403,10 @@ class ModelRunner:
         torch.index_select(
             batch.token_ids_cpu.view(-1), 0, token_indices, out=self.input_ids.cpu[:num_tokens]
         )
-        waiting = np.flatnonzero(positions_np >= batch.num_tokens[req_indices])
+        known = batch.num_tokens[:num_reqs]
+        if drafts is not None:
+            known = known + np.fromiter(map(len, drafts), dtype=np.int32, count=num_reqs)
+        waiting = np.flatnonzero(positions_np >= known[req_indices])
         self.query_start_loc.np[0] = 0
         self.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens
         seq_lens_np = self.seq_lens.np[:num_reqs]
@@ -385,10 +422,32 @@ class ModelRunner:
         )
         logits_indices = attn_metadata.query_start_loc[1 : num_reqs + 1].to(torch.int64) - 1
         inputs = StepInputs(input_ids, positions, attn_metadata, logits_indices, num_scheduled,
-                            runtime_mode, key)
+                            runtime_mode, key, drafts)
         if not waiting.size:
             return inputs, None, None
         return inputs, waiting, req_indices[waiting]
+
+    def _place_drafts(self, scheduler_output: SchedulerOutput,
+                      num_scheduled: np.ndarray) -> list[list[int]] | None:
+        """Puts each granted request's drafts after its tokens in the token table and
+        cuts its scheduled tokens to 1 + the drafts it has (at most its budget).
+        Returns every row's drafts, or None when no row has any."""
+        budgets = scheduler_output.num_draft_tokens
+        if not budgets or self.drafter is None:
+            return None
+        batch = self.input_batch
+        drafts: list[list[int]] = [[] for _ in range(batch.num_reqs)]
+        for req_id, budget in budgets.items():
+            row = batch.req_id_to_index.get(req_id)
+            state = self.requests.get(req_id)
+            if row is None or state is None or state.drafts is None:
+                continue
+            row_drafts = state.drafts.token_ids[:budget]
+            num_tokens = int(batch.num_tokens[row])
+            batch.token_ids_np[row, num_tokens : num_tokens + len(row_drafts)] = row_drafts
+            num_scheduled[row] -= budget - len(row_drafts)
+            drafts[row] = row_drafts
+        return drafts if any(drafts) else None
 
     def _pad_and_copy_inputs(
         self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int,
@@ -531,6 +590,8 @@ class ModelRunner:
         self._fill_deferred_input_ids(prepared, inputs)
         if self._inputs_copied is not None:
             self._inputs_copied.record()
+        if inputs.drafts is not None:
+            return self._launch_with_drafts(prepared, inputs, num_reqs)
         sampler_output, prompt_logprobs = self._run_model(inputs, num_reqs)
         # seq_lens (computed + scheduled) holds this step's values until the next prepare_step.
         finished_prompt = (self.seq_lens.np[:num_reqs] >= batch.num_tokens[:num_reqs]).tolist()
@@ -549,13 +610,101 @@ class ModelRunner:
     def finish_step(self, launched: LaunchedStep) -> ModelRunnerOutput:
         """Waits for a launched step and records its samples (the step's one host sync)."""
         output = ModelRunnerOutput(step_id=launched.step_id, failed=launched.failed)
-        if launched.sampler_output is not None:
+        if launched.verified is not None:
+            self._record_verified(launched, output)
+        elif launched.sampler_output is not None:
             launched.done.synchronize()
             self._record_samples(launched, output)
+        if self.drafter is not None:
+            self._propose_drafts(output)
         for req_id in launched.failed:
             launched.prompt_logprobs.pop(req_id, None)
         output.prompt_logprobs = launched.prompt_logprobs
         return output
+
+    def _launch_with_drafts(self, prepared: PreparedStep, inputs: StepInputs,
+                            num_reqs: int) -> LaunchedStep:
+        """launch_step for a step whose requests carry drafts: the forward pass, the
+        logits of every draft position and of each row's last token, then the
+        positions sampled in turn (``RejectionSampler``), each kept sample
+        recorded at once (the next position's sampling reads it)."""
+        batch = self.input_batch
+        drafts = inputs.drafts
+        assert drafts is not None
+        with self.forward_context.set(inputs.cudagraph_runtime_mode, inputs.batch_descriptor):
+            hidden_states = self._forward(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
+            )
+        counts = np.fromiter(map(len, drafts), dtype=np.int64, count=num_reqs) + 1
+        row_starts = np.cumsum(counts) - counts
+        ends = self.query_start_loc.np[1 : num_reqs + 1].astype(np.int64)
+        # Row r's positions are the last counts[r] tokens of its chunk.
+        flat = np.repeat(ends - counts - row_starts, counts) + self.arange_np[: int(counts.sum())]
+        logits = self.model.compute_logits(hidden_states[torch.from_numpy(flat).to(self.device)])
+        sampled = self.seq_lens.np[:num_reqs] >= batch.num_tokens[:num_reqs]
+        req_ids = list(batch.req_ids[:num_reqs])
+        num_logprobs = None
+        if any(self.requests[r].sampling_params.logprobs is not None for r in req_ids):
+            num_logprobs = [self.requests[r].sampling_params.logprobs for r in req_ids]
+        verified = self.rejection_sampler(
+            logits, row_starts, drafts, sampled, batch.sampling_state, batch.append_token,
+            num_logprobs, self.logits[:num_reqs])
+        return LaunchedStep(
+            prepared.step_id, prepared.failed, self._step_event(), req_ids=req_ids,
+            finished_prompt=sampled.tolist(),
+            prompt_logprobs=self._compute_prompt_logprobs(hidden_states, inputs),
+            verified=verified, drafts=drafts,
+        )
+
+    def _record_verified(self, launched: LaunchedStep, out: ModelRunnerOutput) -> None:
+        """``_record_samples`` for a step with drafts, whose samples the batch already holds."""
+        assert launched.verified is not None and launched.drafts is not None
+        for row, req_id in enumerate(launched.req_ids):
+            result = launched.verified[row]
+            if req_id in self._doomed:
+                self._fail_request(req_id, _EARLIER_FAILURE, launched.failed)
+                continue
+            if result is not None and result.failure is not None:
+                self._fail_request(req_id, result.failure, launched.failed)
+                continue
+            out.req_ids.append(req_id)
+            if result is None:
+                out.sampled_token_ids.append([])
+                continue
+            out.sampled_token_ids.append(result.token_ids)
+            if result.logprobs is not None:
+                out.logprobs[req_id] = result.logprobs
+            num_drafts = len(launched.drafts[row])
+            state = self.requests.get(req_id)
+            if num_drafts and state is not None and state.drafts is not None:
+                out.num_draft_tokens[req_id] = num_drafts
+                Drafter.record(state.drafts, num_drafts, len(result.token_ids) - 1)
+
+    def _propose_drafts(self, out: ModelRunnerOutput) -> None:
+        """Each request that just sampled proposes the drafts of its next step (none
+        while the batch is past the size where drafting pays)."""
+        assert self.drafter is not None
+        batch = self.input_batch
+        limit = self.drafter.config.disable_by_batch_size
+        too_many = bool(limit) and batch.num_reqs > limit
+        grammar_proc: StructuredOutputLogitsProcessor | None = None
+        for req_id, sampled in zip(out.req_ids, out.sampled_token_ids):
+            state = self.requests.get(req_id)
+            row = batch.req_id_to_index.get(req_id)
+            if not sampled or state is None or state.drafts is None or row is None:
+                continue
+            if too_many:
+                state.drafts.token_ids = []
+                continue
+            constrain = None
+            if state.sampling_params.structured_outputs is not None:
+                grammar_proc = grammar_proc or next(
+                    (p for p in batch.sampling_state.logitsprocs.all
+                     if isinstance(p, StructuredOutputLogitsProcessor)), None)
+                if grammar_proc is not None:
+                    constrain = partial(grammar_proc.constrain_drafts, row)
+            self.drafter.propose(state.drafts, batch.token_ids_np[row, : batch.num_tokens[row]],
+                                 constrain)
 
     def _fill_deferred_input_ids(self, prepared: PreparedStep, inputs: StepInputs) -> None:
         """Puts the previous step's samples, recorded since ``prepared`` was built, into

@@ -47,6 +47,7 @@ from services.common.security import (
 )
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import SchedulerOutput
+from services.common.speculative import SpeculativeConfig
 from services.worker.config import (
     LatencyModel,
     WorkerConfig,
@@ -349,6 +350,13 @@ async def run_worker(config: WorkerServiceConfig) -> None:
 # ---------------------------------------------------------------- command line
 
 
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.from_json(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[WorkerServiceConfig, argparse.Namespace]:
     d = WorkerConfig()
     p = argparse.ArgumentParser(prog="python -m services.worker.server", description=__doc__,
@@ -400,6 +408,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerServiceConfig, argp
     p.add_argument("--simulate-us-per-token", type=float, default=latency.us_per_token)
     p.add_argument("--simulate-us-per-context-token", type=float,
                    default=latency.us_per_context_token)
+    p.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 5}\' (default: off)')
     p.add_argument("--log-level", default="INFO")
     add_security_args(p)
     args = p.parse_args(argv)
@@ -432,6 +443,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerServiceConfig, argp
         cudagraph_capture_sizes=args.cudagraph_capture_sizes,
         max_cudagraph_capture_size=args.max_cudagraph_capture_size,
         simulate=simulate,
+        speculative_config=args.speculative_config,
     )
     config = WorkerServiceConfig(
         scheduler_address=args.scheduler_address,

@@ -10,6 +10,9 @@ device. The input ids that need this step's samples are filled in at the
 launch. A step whose device work ends before the next one arrives is
 collected at once, so synchronous scheduling, and a CPU worker (whose
 forward pass is done when its launch returns), never wait on the pipeline.
+A worker whose steps depend on the previous step's outcome (speculative
+decoding: positions and drafts follow what it accepted) has each step
+collected before the next is prepared.
 """
 
 from __future__ import annotations
@@ -76,6 +79,12 @@ class StepPipeline:
             if self._fatal is not None:
                 _fail(future, self._fatal)
                 continue
+            if in_flight is not None and not self._worker.overlaps_steps:
+                self._complete(*in_flight)
+                in_flight = None
+                if self._fatal is not None:
+                    _fail(future, self._fatal)
+                    continue
             step = self._worker.prepare_step(scheduler_output)
             if in_flight is not None:
                 self._complete(*in_flight)

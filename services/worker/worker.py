@@ -127,6 +127,7 @@ class Worker:
             cudagraph_mode=self.config.resolved_cudagraph_mode(),
             cudagraph_capture_sizes=self.config.resolved_capture_sizes(),
             compile_pieces=self.config.resolved_compile_pieces(),
+            speculative=self.config.speculative_config,
         )
         self.model_runner.capture_model()
         if self.model_runner.compiled_pieces:
@@ -200,6 +201,11 @@ class Worker:
                      len(so.num_scheduled_tokens), exc_info=error)
         return runner.fail_step(so, error)
 
+    @property
+    def overlaps_steps(self) -> bool:
+        """Whether a step may be prepared while the previous one is unfinished."""
+        return getattr(self.model_runner, "overlaps_steps", True)
+
     def _runner(self) -> ModelRunner:
         if self.model_runner is None:
             raise RuntimeError("steps need initialize_kv_cache() first")
@@ -209,6 +215,7 @@ class Worker:
         """What this worker registers with the scheduler as ``worker_id``."""
         if self.model_config is None or self.model_runner is None:
             raise RuntimeError("registration_info() needs load_model() and initialize_kv_cache()")
+        spec = self.config.speculative_config
         return WorkerRegistration(
             worker_id=worker_id,
             model=self.model_name,
@@ -219,4 +226,6 @@ class Worker:
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=list(self.model_config.eos_token_ids),
             limits=self.config.limits,
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            speculative_disable_by_batch_size=spec.disable_by_batch_size if spec else 0,
         )

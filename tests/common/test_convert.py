@@ -134,6 +134,28 @@ def test_scheduler_and_runner_outputs_round_trip():
     assert convert.model_runner_output_from_proto(convert.model_runner_output_to_proto(runner)) == runner
 
 
+def test_draft_budgets_and_counts_round_trip():
+    sched = SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData("a", [1, 2], _params(), [1], 0)],
+        scheduled_cached_reqs=CachedRequestData(["b", "c"], [False, False], [[], []], [9, 4]),
+        num_scheduled_tokens={"a": 2, "b": 5, "c": 1}, total_num_scheduled_tokens=8,
+        step_id=3, num_draft_tokens={"b": 4})
+    msg = convert.scheduler_output_to_proto(sched)
+    assert list(msg.num_draft_tokens) == [0, 4, 0]
+    assert convert.scheduler_output_from_proto(msg) == sched
+    runner = ModelRunnerOutput(req_ids=["a", "b", "c"], sampled_token_ids=[[], [4, 5, 6], [7]],
+                               step_id=3, num_draft_tokens={"b": 4})
+    assert convert.model_runner_output_from_proto(
+        convert.model_runner_output_to_proto(runner)) == runner
+    spec = WorkerRegistration("w", "m", "float32", 16, 64, 256, 256, [2],
+                              num_speculative_tokens=5, speculative_disable_by_batch_size=8)
+    got = convert.worker_message_from_proto(convert.registration_message(spec))
+    assert (got.num_speculative_tokens, got.speculative_disable_by_batch_size) == (5, 8)
+    del msg.num_draft_tokens[-1]
+    with pytest.raises(ValueError, match="columns of different lengths"):
+        convert.scheduler_output_from_proto(msg)
+
+
 def test_step_messages_are_columns_and_misaligned_columns_are_refused():
     sched = SchedulerOutput(
         scheduled_cached_reqs=CachedRequestData(["a", "b", "c"], [False] * 3,

@@ -67,9 +67,10 @@ def rows(n: int, token_id: int = 1) -> Logprobs:
     (dict(step_id=4), "answered step 4, step in flight is 5"),
     (dict(req_ids=["a", "c"]), "output for request 'c', not scheduled in step 5"),
     (dict(req_ids=["a", "a"]), "a request id appears twice"),
-    (dict(sampled_token_ids=[[VOCAB], []]), r"at most one token id in \[0, 100\)"),
-    (dict(sampled_token_ids=[[-1], []]), "at most one token id"),
-    (dict(sampled_token_ids=[[1, 2], []]), "at most one token id"),
+    (dict(sampled_token_ids=[[VOCAB], []]), r"allowed: 0 to 1 token ids in \[0, 100\)"),
+    (dict(sampled_token_ids=[[-1], []]), "0 to 1 token ids"),
+    (dict(sampled_token_ids=[[1, 2], []]), "0 to 1 token ids"),
+    (dict(num_draft_tokens={"a": 1}), r"verified 1 drafts, allowed range is \[0, 0\]"),
     (dict(sampled_token_ids=[[1]]), "2 request ids but 1 token lists"),
     (dict(logprobs={"a": rows(2)}), "2 logprobs rows, at most 1 allowed"),
     (dict(logprobs={"b": rows(1)}), "1 logprobs rows, at most 0 allowed"),
@@ -91,3 +92,24 @@ def test_dishonest_outputs_are_protocol_errors(changes, message):
                         step(), VOCAB)
     with pytest.raises(WorkerProtocolError, match=message):
         check_runner_output(output(**changes), step(), VOCAB)
+
+
+def draft_step() -> SchedulerOutput:
+    return SchedulerOutput(num_scheduled_tokens={"a": 4, "b": 16}, total_num_scheduled_tokens=20,
+                           step_id=5, num_draft_tokens={"a": 3})
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    (dict(num_draft_tokens={"a": 4}), r"verified 4 drafts, allowed range is \[0, 3\]"),
+    (dict(sampled_token_ids=[[7, 8, 9], []], num_draft_tokens={"a": 1}),
+     "allowed: 1 to 2 token ids"),
+    (dict(sampled_token_ids=[[], []], num_draft_tokens={"a": 2}), "allowed: 1 to 3 token ids"),
+])
+def test_draft_outputs_stay_within_what_was_verified(changes, message):
+    """A worker may verify fewer drafts than its budget, never more, and returns
+    the drafts it accepted plus one token."""
+    check_runner_output(output(sampled_token_ids=[[7, 8, 9, 10], []],
+                               num_draft_tokens={"a": 3}), draft_step(), VOCAB)
+    check_runner_output(output(sampled_token_ids=[[7], []]), draft_step(), VOCAB)
+    with pytest.raises(WorkerProtocolError, match=message):
+        check_runner_output(output(**changes), draft_step(), VOCAB)

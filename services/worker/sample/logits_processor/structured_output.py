@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
+import numpy as np
 import torch
 
 from kernels.token_bitmask import apply_token_bitmask
@@ -84,6 +85,9 @@ class StructuredOutputLogitsProcessor(LogitsProcessor):
         self._masked: list[int] = []  # rows masked this step, ascending
         self._failures: dict[int, RequestFailure] = {}
         self._stop_bitmask = self._stop_tokens_bitmask(config.vocab_size)
+        # One row for finding the tokens a grammar forces (constrain_drafts).
+        self._draft_bitmask = xgr.allocate_token_bitmask(1, config.vocab_size)
+        self._vocab_size = config.vocab_size
         self._no_token_left = {
             f"structured_outputs.{kind}": RequestFailure.of(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -148,7 +152,7 @@ class StructuredOutputLogitsProcessor(LogitsProcessor):
                 return RequestFailure.of(
                     grpc.StatusCode.INTERNAL,
                     f"output token {output[i]} at position {i} breaks {state.field}")
-        state.num_accepted = len(output)
+            state.num_accepted = i + 1
         return None
 
     def _fill(self, row: int, state: _GrammarRow) -> None:
@@ -157,6 +161,66 @@ class StructuredOutputLogitsProcessor(LogitsProcessor):
             self._bitmask[row] = self._stop_bitmask
         else:
             state.matcher.fill_next_token_bitmask(self._bitmask, row)
+
+    def constrain_drafts(self, row: int, drafts: list[int], k: int) -> list[int]:
+        """Speculative decoding: the longest head of ``drafts`` the row's grammar
+        accepts after its output so far, then what the grammar forces (a token
+        when it allows only one; a string it forces, tokenized), at most ``k``
+        tokens in all. The matcher ends where it began.
+
+        A row without a grammar, or still in its reasoning, keeps its drafts;
+        one whose output breaks its grammar gets none (its failure is reported
+        by the next step's ``update_state``).
+        """
+        state = self._rows.get(row)
+        if state is None:
+            return drafts[:k]
+        if state.reasoning_end is not None:
+            state.skip_reasoning()
+            if state.reasoning_end is not None:
+                return drafts[:k]
+        if self._advance(state) is not None:
+            return []
+        matcher = state.matcher
+        assert matcher is not None
+        out: list[int] = []
+        for token_id in drafts[:k]:
+            if matcher.is_terminated() or not matcher.accept_token(token_id):
+                break
+            out.append(token_id)
+        while len(out) < k and not matcher.is_terminated():
+            forced = self._forced_token(matcher)
+            if forced is not None and matcher.accept_token(forced):
+                out.append(forced)
+                continue
+            if not self._accept_forced_string(matcher, out, k):
+                break
+        if out:
+            matcher.rollback(len(out))
+        return out
+
+    def _accept_forced_string(self, matcher: xgrammar.GrammarMatcher, out: list[int],
+                              k: int) -> bool:
+        """Appends the tokens of the string the grammar forces next, as far as it
+        accepts them; whether it forced a string and all of it fit."""
+        forced = matcher.find_jump_forward_string()
+        if not forced:
+            return False
+        token_ids = self._grammar.encode(forced)
+        for token_id in token_ids:
+            if len(out) >= k or not matcher.accept_token(token_id):
+                return False
+            out.append(token_id)
+        return True
+
+    def _forced_token(self, matcher: xgrammar.GrammarMatcher) -> int | None:
+        """The one token the matcher allows next, or None when it allows several."""
+        scratch = self._draft_bitmask
+        if not matcher.fill_next_token_bitmask(scratch, 0):
+            return None  # every token allowed
+        bits = np.unpackbits(scratch.numpy().view(np.uint8), bitorder="little")
+        allowed = np.flatnonzero(bits[: self._vocab_size])
+        return int(allowed[0]) if allowed.size == 1 else None
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if self._masked:
