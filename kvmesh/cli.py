@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "tokens (to measure the control plane)")
     up.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                     help="schedule each worker's next step while it computes (default: on)")
+    up.add_argument("--speculative-config", default=None, metavar="JSON",
+                    help='workers draft and verify tokens (speculative decoding), e.g. '
+                         '\'{"method": "ngram", "num_speculative_tokens": 5}\' (default: off)')
     up.add_argument("--log-dir", type=Path, default=None,
                     help="write each service's log to DIR/<name>.log (default: a new temporary "
                          "directory, or this terminal with -v / --log-level)")
@@ -126,7 +129,8 @@ def _up_config(args: argparse.Namespace) -> ClusterConfig:
         redis_url=args.redis_url, max_model_len=args.max_model_len, log_dir=log_dir,
         log_level=args.log_level, frontend_args=frontend_args,
         worker_args=(["--device", args.device] if args.device else [])
-        + (["--simulate"] if args.simulate else []),
+        + (["--simulate"] if args.simulate else [])
+        + (["--speculative-config", args.speculative_config] if args.speculative_config else []),
         scheduler_args=[] if args.async_scheduling else ["--no-async-scheduling"],
     )
 

@@ -36,7 +36,7 @@ from services.common.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from services.common.stats import SchedulerStats
+from services.common.stats import SchedulerStats, SpecDecodingStats
 from services.common.validation import ValidationError
 
 # ---------------------------------------------------------------- sampling
@@ -508,6 +508,7 @@ def scheduler_message_from_proto(msg: spb.SchedulerMessage) -> SchedulerOutput |
 
 
 def worker_stats_to_proto(worker_id: str, s: SchedulerStats) -> api_pb2.WorkerStats:
+    spec = s.spec_decoding or SpecDecodingStats(0)
     return api_pb2.WorkerStats(
         worker_id=worker_id,
         num_total_blocks=s.num_total_blocks,
@@ -527,6 +528,10 @@ def worker_stats_to_proto(worker_id: str, s: SchedulerStats) -> api_pb2.WorkerSt
         block_map=s.block_map,
         blocks_per_cell=s.blocks_per_cell,
         num_cached_free_blocks=s.num_cached_free_blocks,
+        spec_num_drafts=spec.num_drafts,
+        spec_num_draft_tokens=spec.num_draft_tokens,
+        spec_num_accepted_tokens=spec.num_accepted_tokens,
+        spec_num_accepted_tokens_per_pos=spec.num_accepted_tokens_per_pos,
     )
 
 

@@ -22,7 +22,7 @@ from services.common.prometheus import (
     REQUEST_LATENCY_BUCKETS_S,
     STEP_TIME_BUCKETS_S,
 )
-from services.common.stats import SchedulerStats
+from services.common.stats import SchedulerStats, SpecDecodingStats
 from services.scheduler.request import RequestTimes
 
 WORKER_LABELS = ("model_name", "worker_id")
@@ -62,6 +62,16 @@ _WORKER_FAMILIES: tuple[tuple[str, str, type[Metric], Callable[[WorkerSnapshot],
 )
 
 
+# Speculative decoding's counters (vLLM's names), for the workers that draft.
+_SPEC_FAMILIES: tuple[tuple[str, str, Callable[[SpecDecodingStats], int]], ...] = (
+    ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", lambda s: s.num_drafts),
+    ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+     lambda s: s.num_draft_tokens),
+    ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+     lambda s: s.num_accepted_tokens),
+)
+
+
 class _WorkersCollector(Collector):
     """Reads every worker's figures when Prometheus scrapes."""
 
@@ -85,6 +95,26 @@ class _WorkersCollector(Collector):
             for snapshot in snapshots:
                 family.add_metric([model_name, snapshot.worker_id], value(snapshot))
             yield family
+        yield from _spec_families(model_name, snapshots)
+
+
+def _spec_families(model_name: str, snapshots: list[WorkerSnapshot]) -> Iterator[Metric]:
+    drafting = [(w.worker_id, w.stats.spec_decoding) for w in snapshots
+                if w.stats.spec_decoding is not None]
+    if not drafting:
+        return
+    for name, documentation, value in _SPEC_FAMILIES:
+        family = CounterMetricFamily(name, documentation, labels=list(WORKER_LABELS))
+        for worker_id, spec in drafting:
+            family.add_metric([model_name, worker_id], value(spec))
+        yield family
+    per_pos = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Accepted tokens per draft position.", labels=[*WORKER_LABELS, "position"])
+    for worker_id, spec in drafting:
+        for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+            per_pos.add_metric([model_name, worker_id, str(position)], count)
+    yield per_pos
 
 
 class SchedulerMetrics:

@@ -1,5 +1,6 @@
 // kvmesh's live dashboard: polls GET /stats every second and draws each worker's
-// KV blocks, queues, prefix hit rate and tokens/s. No build step, no dependencies.
+// KV blocks, queues, prefix hit rate, tokens/s and draft acceptance. No build step,
+// no dependencies.
 "use strict";
 
 const POLL_INTERVAL_MS = 1000;
@@ -88,11 +89,23 @@ class Panel {
     this.field("tokens-per-s").textContent = last(history).toFixed(1);
     this.field("generation-tokens").textContent = stats.num_generation_tokens;
     this.field("num-preemptions").textContent = stats.num_preemptions;
+    this.updateSpecDecoding(stats);
     drawHistory(this.field("history"), history);
     const seconds = history.length * stats.history_interval_s;
     const span = seconds >= 120 ? `${(seconds / 60).toFixed(0)} min` : `${seconds.toFixed(0)} s`;
     this.field("history-caption").textContent =
       `generated tokens/s over the last ${span}, in ${stats.history_interval_s} s steps`;
+  }
+
+  // Shown for a worker that drafts (speculative decoding), once it verified a draft.
+  updateSpecDecoding(stats) {
+    const drafts = stats.spec_num_drafts;
+    this.field("spec-decoding").hidden = !drafts;
+    if (!drafts) return;
+    this.field("acceptance-rate").textContent =
+      percent(stats.spec_num_accepted_tokens / Math.max(stats.spec_num_draft_tokens, 1));
+    this.field("acceptance-length").textContent =
+      (1 + stats.spec_num_accepted_tokens / drafts).toFixed(2);
   }
 }
 
