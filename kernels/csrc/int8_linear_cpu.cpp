@@ -7,7 +7,10 @@
 // follows), eight rows at a time with eight independent float32 accumulators per
 // activation row, so the FMAs do not wait on each other, while the next eight rows
 // are prefetched (a fifth faster than the prefetcher alone). Every activation row
-// is converted to float32 once. Only built for AVX-512; elsewhere torch's kernel
+// is converted to float32 once, and every weight vector once per block of up to
+// four activation rows, which it then multiplies into each: converting int8 costs
+// more than the FMA, so a step of a few rows (a request and its drafts) costs
+// little more than one row. Only built for AVX-512; elsewhere torch's kernel
 // serves.
 //
 // Built at run time by kernels/cpu_extension.py with the C++ compiler inductor uses.
@@ -22,23 +25,61 @@
 
 namespace {
 
-constexpr int64_t kRows = 8;  // weight rows per inner loop
+constexpr int64_t kRows = 8;  // weight rows per group (and per inner loop for one row of x)
 constexpr int64_t kLanes = 16;  // floats per AVX-512 vector
+constexpr int64_t kBlock = 4;  // rows of x per inner loop: 4 x 4 accumulators
+constexpr int64_t kBlockRows = 4;  // weight rows per inner loop with a block of x
 
-// out[r] = dot(x, w row r) for R consecutive rows of `w` (row length K).
-template <int64_t R>
-inline void dot_rows(const float* x, const int8_t* w, int64_t K, float* out) {
-  __m512 acc[R];
-  for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+// out[m * out_stride + r] = dot(x row m, w row r) for MB rows of `x` and R consecutive
+// rows of `w` (row length K): each weight vector is converted once for all MB rows.
+template <int64_t MB, int64_t R>
+inline void dot_block(const float* x, const int8_t* w, int64_t K, float* out,
+                      int64_t out_stride) {
+  __m512 acc[MB][R];
+  for (int64_t m = 0; m < MB; ++m)
+    for (int64_t r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += kLanes) {
-    const __m512 xv = _mm512_loadu_ps(x + k);
+    __m512 wv[R];
 #pragma GCC unroll 8
     for (int64_t r = 0; r < R; ++r) {
       const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * K + k));
-      acc[r] = _mm512_fmadd_ps(xv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), acc[r]);
+      wv[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+    }
+#pragma GCC unroll 4
+    for (int64_t m = 0; m < MB; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * K + k);
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
     }
   }
-  for (int64_t r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+  for (int64_t m = 0; m < MB; ++m)
+    for (int64_t r = 0; r < R; ++r) out[m * out_stride + r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+
+// dot_block for a run-time block of mb (1..kBlock) rows of x.
+template <int64_t R>
+inline void dot_block_of(int64_t mb, const float* x, const int8_t* w, int64_t K, float* out,
+                         int64_t out_stride) {
+  switch (mb) {
+    case 1: dot_block<1, R>(x, w, K, out, out_stride); break;
+    case 2: dot_block<2, R>(x, w, K, out, out_stride); break;
+    case 3: dot_block<3, R>(x, w, K, out, out_stride); break;
+    default: dot_block<4, R>(x, w, K, out, out_stride); break;
+  }
+}
+
+// dots[m * kRows + r] for rows m0 .. m0 + mb of x and the group's `rows` weight rows.
+inline void dot_group(const float* x, int64_t mb, const int8_t* w, int64_t rows, int64_t K,
+                      float* dots) {
+  if (rows == kRows && mb == 1) {
+    dot_block<1, kRows>(x, w, K, dots, kRows);
+  } else if (rows == kRows) {
+    for (int64_t half = 0; half < kRows; half += kBlockRows) {
+      dot_block_of<kBlockRows>(mb, x, w + half * K, K, dots + half, kRows);
+    }
+  } else {
+    for (int64_t r = 0; r < rows; ++r) dot_block_of<1>(mb, x, w + r * K, K, dots + r, kRows);
+  }
 }
 
 template <typename scalar_t>
@@ -53,7 +94,7 @@ void int8_linear_kernel(const at::Tensor& x, const at::Tensor& qweight, const at
   const int64_t num_groups = (N + kRows - 1) / kRows;
   const int64_t per_thread = (num_groups + at::get_num_threads() - 1) / at::get_num_threads();
   at::parallel_for(0, num_groups, per_thread, [&](int64_t begin, int64_t end) {
-    float dots[kRows];
+    float dots[kBlock * kRows];
     for (int64_t g = begin; g < end; ++g) {
       const int64_t n0 = g * kRows, rows = std::min(kRows, N - n0);
       if (g + 1 < end) {  // the next group's rows, while this one computes
@@ -62,14 +103,14 @@ void int8_linear_kernel(const at::Tensor& x, const at::Tensor& qweight, const at
           _mm_prefetch(next + i, _MM_HINT_T0);
         }
       }
-      for (int64_t m = 0; m < M; ++m) {  // the group's weights stay in L1 across rows of x
-        if (rows == kRows) {
-          dot_rows<kRows>(xf + m * K, w + n0 * K, K, dots);
-        } else {
-          for (int64_t r = 0; r < rows; ++r) dot_rows<1>(xf + m * K, w + (n0 + r) * K, K, dots + r);
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          o[m * N + n0 + r] = static_cast<scalar_t>(dots[r] * static_cast<float>(s[n0 + r]));
+      for (int64_t m0 = 0; m0 < M; m0 += kBlock) {  // the group's weights stay in L1
+        const int64_t mb = std::min(kBlock, M - m0);
+        dot_group(xf + m0 * K, mb, w + n0 * K, rows, K, dots);
+        for (int64_t m = 0; m < mb; ++m) {
+          for (int64_t r = 0; r < rows; ++r) {
+            o[(m0 + m) * N + n0 + r] =
+                static_cast<scalar_t>(dots[m * kRows + r] * static_cast<float>(s[n0 + r]));
+          }
         }
       }
     }

@@ -30,10 +30,11 @@ class SpeculativeConfig:
     tokens long) earlier in its prompt and output and proposes up to
     ``num_speculative_tokens`` tokens that followed it. With more than
     ``disable_by_batch_size`` running requests (0: never) no draft is
-    granted. A request whose recent drafts were mostly rejected (an
-    acceptance below ``min_acceptance_rate``) drafts only every
-    ``probe_interval`` steps until its acceptance recovers. As vLLM, either
-    lookup bound alone sets both; neither gives 5 and 5.
+    granted. A request drafts only as many tokens as its recent acceptance
+    makes worth verifying on this machine (the worker measures the cost at
+    start), and one for which no draft pays drafts every ``probe_interval``
+    steps, to notice when it starts repeating. As vLLM, either lookup bound
+    alone sets both; neither gives 5 and 5.
     """
 
     method: str = "ngram"
@@ -41,8 +42,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
-    min_acceptance_rate: float = 0.1
-    probe_interval: int = 8
+    probe_interval: int = 16
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -60,9 +60,6 @@ class SpeculativeConfig:
         _check_int("prompt_lookup_min", low, 1, 64)
         _check_int("prompt_lookup_max", high, low, 64)
         _check_int("disable_by_batch_size", self.disable_by_batch_size, 0, 1 << 16)
-        if not 0.0 <= self.min_acceptance_rate <= 1.0:
-            raise ValueError(f"speculative_config.min_acceptance_rate is "
-                             f"{self.min_acceptance_rate}, allowed range is [0, 1]")
         _check_int("probe_interval", self.probe_interval, 1, 1 << 16)
 
     @property

@@ -32,6 +32,7 @@ from services.worker.model_loader import load_model
 from services.worker.model_runner import LaunchedStep, ModelRunner, PreparedStep
 from services.worker.simulated import SimulatedModelRunner
 from services.worker.step_events import COMPLETED, StepEvent
+from services.worker.spec_decode.calibration import measure_step_costs
 from services.worker.warmup import warm_up_model
 
 logger = logging.getLogger(__name__)
@@ -132,6 +133,10 @@ class Worker:
         self.model_runner.capture_model()
         if self.model_runner.compiled_pieces:
             warm_up_model(self.model_runner, self.config.block_size, num_blocks)
+        spec = self.config.speculative_config
+        if spec is not None and self.model_runner.drafter is not None:
+            self.model_runner.drafter.step_costs = measure_step_costs(
+                self.model_runner, self.config.block_size, num_blocks, spec.num_speculative_tokens)
         return num_blocks
 
     def _runner_options(self) -> dict[str, Any]:

@@ -21,7 +21,7 @@ def test_lookup_bounds_default_as_vllm():
     ('{"num_speculative_tokens": 0}', "num_speculative_tokens"),
     ('{"num_speculative_tokens": 99}', "num_speculative_tokens"),
     ('{"prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_max"),
-    ('{"min_acceptance_rate": 2}', "min_acceptance_rate"),
+    ('{"probe_interval": 0}', "probe_interval"),
     ('{"num_speculative_tokens": true}', "num_speculative_tokens"),
     ('{"speculative_tokens": 3}', "unknown fields"),
     ("[1]", "JSON object"),

@@ -22,7 +22,7 @@ def _operands(num_rows: int, out_features: int, in_features: int, dtype: torch.d
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_rows", [1, 3, 31])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 6, 9, 31])
 @pytest.mark.parametrize(("out_features", "in_features"), [(37, 64), (576, 1536), (960, 576)])
 def test_kernel_matches_int8pack(dtype: torch.dtype, num_rows: int, out_features: int,
                                  in_features: int) -> None:

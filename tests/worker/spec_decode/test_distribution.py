@@ -30,7 +30,7 @@ OUTPUT_LEN = 5
 PROMPT = [17, 42, 99, 3, 150, 77, 8, 201]
 LIMITS = SchedulingLimits(max_num_seqs=64, max_num_batched_tokens=512)
 SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=1,
-                         disable_by_batch_size=0, min_acceptance_rate=0.0)
+                         disable_by_batch_size=0)
 ALPHA = 1e-3
 
 
@@ -48,6 +48,7 @@ def sample(model_dir, temperature: float, drafts: list[int] | None) -> collectio
             done = len(token_ids) - len(PROMPT)
             return drafts[done:done + k]
         worker.model_runner.drafter.proposer = propose
+        worker.model_runner.drafter.step_costs = None  # verify every draft offered
     scheduler = make_scheduler(worker, limits=LIMITS)
     params = SamplingParams(temperature=temperature, max_tokens=OUTPUT_LEN, ignore_eos=True)
     for i in range(NUM_SAMPLES):

@@ -37,7 +37,7 @@ from tests.worker.helpers import VOCAB_SIZE, make_worker, save_tiny_model
 
 LIMITS = SchedulingLimits(max_num_seqs=8, max_num_batched_tokens=48)
 SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3,
-                         disable_by_batch_size=0, min_acceptance_rate=0.0)
+                         disable_by_batch_size=0)
 NUM_BLOCKS = 24  # small enough that the workload preempts
 
 
@@ -144,6 +144,7 @@ def run(model_dir, requests, depth: int, spec: SpeculativeConfig | None = None, 
                              speculative_config=spec)
         if proposer is not None:
             worker.model_runner.drafter.proposer = proposer
+            worker.model_runner.drafter.step_costs = None  # verify every draft offered
         return worker
 
     engine = Engine(new_worker(), depth)
