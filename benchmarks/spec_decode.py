@@ -4,7 +4,8 @@ Tables, every system in the same process and run, on SmolLM2-135M-Instruct:
   * batch 1, input-grounded prompts (repeat a paragraph correcting its spelling,
     quote a text's key sentences, rename a function's variables) and
     free-writing ones (stories): output tok/s of kvmesh in float32, bfloat16
-    (its default) and int8, with and without ``--speculative-config``, and of
+    (the default dtype is bfloat16 on a CPU that computes it natively, else
+    float32) and int8, with and without ``--speculative-config``, and of
     llama.cpp (llama-cpp-python, the default model's own Q4_1 GGUF) with and
     without its prompt-lookup decoding (``LlamaPromptLookupDecoding``); kvmesh's
     mean acceptance length (tokens per verified draft, the sampled one included);
@@ -17,8 +18,9 @@ each system says what it says; tok/s counts the tokens each produced.
 
     .venv/bin/python -m benchmarks.spec_decode --repeats 3
 
-llama.cpp needs the ``bench`` extra (``make bench``). Medians over the repeats;
-the systems alternate within each repeat.
+llama.cpp needs the ``bench`` extra (``make bench``). Batch 1: medians over
+the repeats, the systems alternating within each; batches: ``--batch-repeats``
+(default 1: 64 requests of 160 tokens take a while on two cores).
 """
 
 from __future__ import annotations
@@ -153,6 +155,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-llama-cpp", action="store_true")
     parser.add_argument("--batches", type=int, nargs="*", default=[8, 64])
+    parser.add_argument("--batch-repeats", type=int, default=1,
+                        help="repeats of each batched run (64 requests take a while)")
     parser.add_argument("--num-speculative-tokens", type=int, default=5)
     args = parser.parse_args()
     spec = SpeculativeConfig(num_speculative_tokens=args.num_speculative_tokens,
@@ -239,7 +243,7 @@ def batched(engines, prompts, eos, args) -> None:
                                  for i in range(batch)]
                 labels = (f"kvmesh {variant}", f"kvmesh {variant} + ngram")
                 runs: dict[str, list[float]] = {label: [] for label in labels}
-                for r in range(args.repeats):
+                for r in range(args.batch_repeats):
                     for label in labels:
                         runs[label].append(kvmesh_tok_s(engines[label], batch_prompts, eos,
                                                         f"b{batch}{workload}{r}{label}"))

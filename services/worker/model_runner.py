@@ -54,6 +54,7 @@ from services.worker.sample.logits_processor.structured_output import (
     StructuredOutputLogitsProcessor,
 )
 from services.worker.spec_decode import Drafter, DraftState
+from services.worker.spec_decode.decode_rows import as_decode_rows
 from services.worker.spec_decode.rejection_sampler import RejectionSampler, VerifiedRow
 from services.worker.step_events import COMPLETED, CudaStepEvent, StepEvent
 
@@ -423,7 +424,7 @@ class ModelRunner:
         logits_indices = attn_metadata.query_start_loc[1 : num_reqs + 1].to(torch.int64) - 1
         if drafts is not None and self.device.type == "cpu" and bool(
                 (num_scheduled == 1 + np.fromiter(map(len, drafts), np.int32, num_reqs)).all()):
-            attn_metadata = _as_decode_rows(attn_metadata, req_indices, positions_np)
+            attn_metadata = as_decode_rows(attn_metadata, req_indices, positions_np)
         inputs = StepInputs(input_ids, positions, attn_metadata, logits_indices, num_scheduled,
                             runtime_mode, key, drafts)
         if not waiting.size:
@@ -879,28 +880,3 @@ class ModelRunner:
                 self._prompt_logprobs_req_ids.discard(req_id)
         return out
 
-
-def _as_decode_rows(attn_metadata: AttentionMetadata, req_indices: np.ndarray,
-                    positions: np.ndarray) -> AttentionMetadata:
-    """A step of last tokens and their drafts as a decode step of one row per token.
-
-    Each query attends to the keys up to its own position, which is what a
-    decode row with that sequence length and its request's block table does;
-    the decode path writes every token's K/V before any row attends, so a
-    draft sees the tokens before it. A verification step then runs the CPU's
-    compiled decode graph instead of the multi-query path (on the CPU, the
-    latter cost half a step more). CPU only: on CUDA, FULL graphs captured the
-    block table's buffer itself.
-    """
-    num_tokens = len(req_indices)
-    seq_lens = torch.from_numpy((positions + 1).astype(np.int32))
-    return AttentionMetadata(
-        num_reqs=num_tokens,
-        num_actual_tokens=num_tokens,
-        max_query_len=1,
-        max_seq_len=int(seq_lens.max()),
-        query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32),
-        seq_lens=seq_lens,
-        block_table=attn_metadata.block_table[torch.from_numpy(req_indices)],
-        slot_mapping=attn_metadata.slot_mapping,
-    )

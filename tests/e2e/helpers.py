@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import re
+import signal
 import threading
 import time
 import urllib.request
@@ -15,7 +16,7 @@ from pathlib import Path
 import grpc
 
 from kvmesh.client import Client
-from kvmesh.cluster import ClusterConfig
+from kvmesh.cluster import ClusterConfig, LocalCluster, ServiceProcess
 
 TINY_MAX_MODEL_LEN = 256
 TINY_NUM_KV_BLOCKS = 64  # including the null block
@@ -51,6 +52,15 @@ def wait_for(
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} not met in {timeout_s}s")
         time.sleep(0.05)
+
+
+def sigkill_a_busy_worker(cluster: LocalCluster, client: Client) -> ServiceProcess:
+    """SIGKILLs a worker that is running requests now; returns it, reaped."""
+    running = {w.worker_id: w.num_running_reqs for w in client.stats().workers}
+    victim = next(w for w in cluster.workers if running.get(w.name, 0) > 0)
+    victim.signal(signal.SIGKILL)
+    victim.popen.wait(10)
+    return victim
 
 
 def all_blocks_free(client: Client) -> bool:

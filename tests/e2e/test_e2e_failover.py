@@ -18,6 +18,7 @@ from tests.e2e.helpers import (
     all_blocks_free,
     prompts,
     reference,
+    sigkill_a_busy_worker,
     tiny_cluster_config,
     wait_for,
 )
@@ -43,9 +44,7 @@ def test_sigkill_a_worker_mid_generation_keeps_every_greedy_output(cluster):
 
     streams = Streams(client, token_prompts)
     assert streams.started.wait(30)
-    running = {w.worker_id: w.num_running_reqs for w in client.stats().workers}
-    victim = next(w for w in cluster.workers if running.get(w.name, 0) > 0)
-    kill(victim)
+    victim = sigkill_a_busy_worker(cluster, client)
     streams.join()
 
     assert streams.errors == [None] * 6

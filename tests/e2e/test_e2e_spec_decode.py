@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import random
-import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -26,6 +25,7 @@ from tests.e2e.helpers import (
     TINY_MAX_MODEL_LEN,
     TINY_MAX_NUM_SEQS,
     all_blocks_free,
+    sigkill_a_busy_worker,
     tiny_cluster_config,
     wait_for,
 )
@@ -98,10 +98,7 @@ def test_sigkill_a_worker_with_drafts_in_flight_keeps_every_output(cluster, expe
     with ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(generate, client, p, seen) for p in prompts]
         wait_for(lambda: bool(seen), timeout_s=60, what="8 tokens streamed")
-        running = {w.worker_id: w.num_running_reqs for w in client.stats().workers}
-        victim = next(w for w in cluster.workers if running.get(w.name, 0) > 0)
-        victim.signal(signal.SIGKILL)
-        victim.popen.wait(10)
+        sigkill_a_busy_worker(cluster, client)
         got = [f.result(timeout=180) for f in futures]
     assert got == [expected[tuple(p)] for p in prompts]
     wait_for(lambda: all_blocks_free(client), what="blocks freed")

@@ -7,7 +7,6 @@ and a constraint that cannot be met failing alone.
 from __future__ import annotations
 
 import json
-import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -23,6 +22,7 @@ from tests.e2e.helpers import (
     TINY_MAX_NUM_SEQS,
     all_blocks_free,
     prompts,
+    sigkill_a_busy_worker,
     tiny_cluster_config,
     wait_for,
 )
@@ -92,10 +92,7 @@ def test_sigkill_a_worker_mid_generation_keeps_every_constrained_output(cluster)
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(stream, p) for p in token_prompts]
         wait_for(lambda: bool(first_tokens_seen), timeout_s=60, what="8 tokens streamed")
-        running = {w.worker_id: w.num_running_reqs for w in client.stats().workers}
-        victim = next(w for w in cluster.workers if running.get(w.name, 0) > 0)
-        victim.signal(signal.SIGKILL)
-        victim.popen.wait(10)
+        sigkill_a_busy_worker(cluster, client)
         got = [f.result(timeout=120) for f in futures]
 
     assert got == expected

@@ -2,9 +2,11 @@
 (slow: loads the model several times).
 
 On input-grounded prompts (repeat a paragraph, quote a text) most drafts are
-accepted, and the output is the one decoding without drafts gives: token for
-token in float32 and for seeded sampling with n > 1, up to near ties at the
-default dtype. A structured-output request drafts what its grammar allows.
+accepted (in float32, where a verification step costs about what a plain step
+costs, so the worker drafts freely), and the output is the one decoding
+without drafts gives: token for token in float32 and for seeded sampling with
+n > 1, up to near ties in bfloat16 (the default dtype on CPUs that compute it
+natively). A structured-output request drafts what its grammar allows.
 """
 
 from __future__ import annotations
@@ -107,8 +109,11 @@ def test_json_drafts_respect_the_schema(float32_pair):
     assert spec_stats(spec).num_accepted_tokens > before
 
 
-def test_default_dtype_differs_only_at_near_ties():
+def test_bfloat16_differs_only_at_near_ties():
     plain, spec = engines("bfloat16")
+    # Where bfloat16 rows are dear (no native support) the worker would draft
+    # little; drafting all it can tests more positions.
+    spec.llm_engine.engine_core.worker.model_runner.drafter.step_costs = None
     params = SamplingParams(temperature=0.0, max_tokens=64, logprobs=2)
     for w, g in zip(chat(plain, GROUNDED, params), chat(spec, GROUNDED, params)):
         ours, theirs = g.outputs[0].token_ids, w.outputs[0].token_ids

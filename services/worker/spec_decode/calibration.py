@@ -14,6 +14,7 @@ The probe writes garbage K/V into blocks from 1 on, which no request owns yet
 
 from __future__ import annotations
 
+import itertools
 import logging
 import statistics
 import time
@@ -35,7 +36,8 @@ def measure_step_costs(runner: ModelRunner, block_size: int, num_blocks: int,
                        num_speculative_tokens: int, repeats: int = 3) -> list[float] | None:
     """``costs[d]``: the median time of a one-request step verifying d drafts over that
     of one verifying none, d = 0..k (a first untimed round compiles the new
-    shapes). None where the probe does not fit the pool, the batch or the model."""
+    shapes), made non-decreasing from 1.0. None where the probe does not fit the
+    pool, the batch or the model."""
     k = num_speculative_tokens
     num_steps = (repeats + 1) * (k + 1)
     max_len = _PROMPT_LEN + num_steps * (k + 1) + 1
@@ -57,7 +59,10 @@ def measure_step_costs(runner: ModelRunner, block_size: int, num_blocks: int,
                 times[d].append(elapsed)
     runner.execute_model(SchedulerOutput(finished_req_ids={_REQ_ID}))
     base = statistics.median(times[0])
-    costs = [statistics.median(times[d]) / base for d in range(k + 1)]
+    # Checking more drafts never costs less: what says otherwise is noise (a
+    # shared machine), which must not make drafts look free.
+    costs = list(itertools.accumulate(
+        (max(statistics.median(times[d]) / base, 1.0) for d in range(k + 1)), max))
     logger.info("event=draft_costs_measured step_ms=%.2f costs=%s", base * 1e3,
                 ",".join(f"{c:.2f}" for c in costs))
     return costs

@@ -11,7 +11,6 @@ import re
 import grpc
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from services.common.sampling_params import SamplingParams, StructuredOutputsParams
 from services.worker.grammar import GrammarBackend
@@ -20,18 +19,6 @@ from services.worker.sample import Sampler, SamplingState
 CPU = torch.device("cpu")
 VOCAB = 49152
 EOS = 2
-
-
-@pytest.fixture(scope="module")
-def grammar(default_model_dir) -> GrammarBackend:
-    backend = GrammarBackend(default_model_dir, VOCAB, [EOS])
-    yield backend
-    backend.close()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_model_dir):
-    return AutoTokenizer.from_pretrained(default_model_dir, local_files_only=True)
 
 
 def constrained(**constraint) -> SamplingParams:

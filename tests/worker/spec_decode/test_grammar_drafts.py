@@ -11,7 +11,6 @@ import random
 
 import pytest
 import xgrammar as xgr
-from transformers import AutoTokenizer
 
 from services.common.grammar import build_grammar
 from services.common.sampling_params import SamplingParams, StructuredOutputsParams
@@ -22,19 +21,6 @@ from services.worker.sample.logits_processor.structured_output import (
 )
 
 VOCAB = 49152
-EOS = 2
-
-
-@pytest.fixture(scope="module")
-def grammar(default_model_dir) -> GrammarBackend:
-    backend = GrammarBackend(default_model_dir, VOCAB, [EOS])
-    yield backend
-    backend.close()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_model_dir):
-    return AutoTokenizer.from_pretrained(default_model_dir, local_files_only=True)
 
 
 def processor_for(grammar: GrammarBackend, so: StructuredOutputsParams, output: list[int]):

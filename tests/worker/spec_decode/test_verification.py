@@ -20,6 +20,7 @@ from collections import deque
 
 import numpy as np
 import pytest
+import torch
 
 from services.common.engine import EngineCoreRequest, Logprobs
 from services.common.limits import SchedulingLimits
@@ -138,10 +139,10 @@ def oracle(reference: dict[str, tuple[list[int], list[int]]], seed: int, corrupt
 
 
 def run(model_dir, requests, depth: int, spec: SpeculativeConfig | None = None, proposer=None,
-        lose_worker_at: int | None = None) -> Engine:
+        lose_worker_at: int | None = None, device: str = "cpu") -> Engine:
     def new_worker() -> Worker:
         worker = make_worker(model_dir, num_kv_blocks=NUM_BLOCKS, limits=LIMITS,
-                             speculative_config=spec)
+                             speculative_config=spec, device=device)
         if proposer is not None:
             worker.model_runner.drafter.proposer = proposer
             worker.model_runner.drafter.step_costs = None  # verify every draft offered
@@ -169,11 +170,19 @@ def references(engine: Engine, requests) -> dict[str, tuple[list[int], list[int]
             for r in requests}
 
 
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                    reason="needs a CUDA device"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("depth", [1, 2])
-def test_greedy_outputs_equal_without_speculation(model_dir, depth):
+def test_greedy_outputs_equal_without_speculation(model_dir, depth, device):
+    """On CUDA with its default graphs: FULL for plain decodes, PIECEWISE around the
+    multi-query attention of verification steps."""
     requests = workload(seed=depth, num=24)
-    base = run(model_dir, requests, depth)
-    engine = run(model_dir, requests, depth, SPEC, oracle(references(base, requests), 0, 0.4))
+    base = run(model_dir, requests, depth, device=device)
+    engine = run(model_dir, requests, depth, SPEC, oracle(references(base, requests), 0, 0.4),
+                 device=device)
     assert engine.tokens == base.tokens
     stats = engine.scheduler.make_stats()
     spec = stats.spec_decoding
