@@ -405,8 +405,10 @@ class ModelRunner:
             batch.token_ids_cpu.view(-1), 0, token_indices, out=self.input_ids.cpu[:num_tokens]
         )
         known = batch.num_tokens[:num_reqs]
+        num_drafts = None
         if drafts is not None:
-            known = known + np.fromiter(map(len, drafts), dtype=np.int32, count=num_reqs)
+            num_drafts = np.fromiter(map(len, drafts), dtype=np.int32, count=num_reqs)
+            known = known + num_drafts
         waiting = np.flatnonzero(positions_np >= known[req_indices])
         self.query_start_loc.np[0] = 0
         self.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens
@@ -422,8 +424,8 @@ class ModelRunner:
             num_reqs, num_tokens, max_query_len, int(seq_lens_np.max()), runtime_mode, key
         )
         logits_indices = attn_metadata.query_start_loc[1 : num_reqs + 1].to(torch.int64) - 1
-        if drafts is not None and self.device.type == "cpu" and bool(
-                (num_scheduled == 1 + np.fromiter(map(len, drafts), np.int32, num_reqs)).all()):
+        if num_drafts is not None and self.device.type == "cpu" and bool(
+                (num_scheduled == 1 + num_drafts).all()):
             attn_metadata = as_decode_rows(attn_metadata, req_indices, positions_np)
         inputs = StepInputs(input_ids, positions, attn_metadata, logits_indices, num_scheduled,
                             runtime_mode, key, drafts)
