@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from services.scheduler.block_hash import BlockHash
+from services.common.block_hash import BlockHash
 from services.scheduler.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 if TYPE_CHECKING:

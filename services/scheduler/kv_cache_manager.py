@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from services.scheduler.block_hash import BlockHash
+from services.common.block_hash import BlockHash
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.kv_cache_utils import KVCacheBlock
 from services.scheduler.kv_store import KVStateDelta, KVStateSnapshot, KVStore

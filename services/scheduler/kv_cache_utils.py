@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.scheduler.block_hash import BlockHash
+from services.common.block_hash import BlockHash
 
 
 @dataclass(slots=True, eq=False)

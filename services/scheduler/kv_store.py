@@ -26,7 +26,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from services.scheduler.block_hash import BlockHash
+from services.common.block_hash import BlockHash
 
 K = TypeVar("K")
 # Field of the ``meta`` hash naming the worker KV cache the state describes

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from services.common.engine import EngineCoreRequest, FinishReason
 from services.common.sampling_params import SamplingParams
-from services.scheduler.block_hash import BlockHash, BlockHasher
+from services.common.block_hash import BlockHash, BlockHasher
 
 
 class RequestStatus(enum.IntEnum):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from services.scheduler.block_hash import get_request_block_hasher
+from services.common.block_hash import get_request_block_hasher
 from services.scheduler.request import BlockHasher, Request
 from services.scheduler.scheduler import Scheduler
 

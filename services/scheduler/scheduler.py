@@ -47,7 +47,7 @@ from services.common.scheduler_output import (
     SchedulerOutput,
 )
 from services.common.stats import SchedulerStats, SpecDecodingStats
-from services.scheduler.block_hash import get_request_block_hasher
+from services.common.block_hash import get_request_block_hasher
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.kv_store import KVStore

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.sampling_params import SamplingParams
-from services.scheduler.block_hash import get_request_block_hasher
+from services.common.block_hash import get_request_block_hasher
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request
 

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from services.common.sampling_params import SamplingParams
-from services.scheduler.block_hash import get_request_block_hasher
+from services.common.block_hash import get_request_block_hasher
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.kv_cache_utils import KVCacheBlock
 from services.scheduler.kv_store import InMemoryKVStore, KVStateDelta, KVStore, RedisKVStore

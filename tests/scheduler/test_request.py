@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from services.common.engine import EngineCoreRequest, FinishReason
 from services.common.sampling_params import SamplingParams
-from services.scheduler.block_hash import get_request_block_hasher, hash_block_tokens
+from services.common.block_hash import get_request_block_hasher, hash_block_tokens
 from services.scheduler.request import Request, RequestStatus
 
 

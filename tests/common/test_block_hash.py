@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from services.common.sampling_params import SamplingParams
-from services.scheduler.block_hash import (
+from services.common.block_hash import (
     NONE_HASH,
     get_request_block_hasher,
     hash_block_tokens,
@@ -84,7 +84,7 @@ def test_hasher_rejects_bad_block_size():
 
 _CHILD = """
 from services.common.sampling_params import SamplingParams
-from services.scheduler.block_hash import get_request_block_hasher
+from services.common.block_hash import get_request_block_hasher
 from services.scheduler.request import Request
 req = Request("x", list(range(40)), SamplingParams(), cache_salt="s",
               block_hasher=get_request_block_hasher(16))
