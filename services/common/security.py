@@ -79,7 +79,7 @@ def bind(server: grpc.aio.Server, address: str, tls: TlsConfig | None) -> int:
 
 
 def aio_channel(address: str, tls: TlsConfig | None,
-                options: Iterable[tuple[str, int]]) -> grpc.aio.Channel:
+                options: Iterable[tuple[str, int | str]]) -> grpc.aio.Channel:
     """A grpc.aio channel to ``address``, over TLS when configured."""
     if tls is None:
         return grpc.aio.insecure_channel(address, options=tuple(options))
@@ -103,6 +103,29 @@ def read_cluster_secret(path: str | None) -> str | None:
     if secret is not None and not secret.strip():
         raise ValueError("the cluster secret is empty")
     return secret.strip() if secret is not None else None
+
+
+# Where services read the Redis URL from when ``--redis-url`` is not given: it may
+# carry a password (``redis://:PASSWORD@host:port/0``, ``rediss://`` for TLS),
+# which must stay out of the process list.
+REDIS_URL_ENV = "KVMESH_REDIS_URL"
+
+
+def read_redis_url(url: str | None) -> str | None:
+    """``url`` if given, else $KVMESH_REDIS_URL, else None (no Redis)."""
+    return url or os.environ.get(REDIS_URL_ENV) or None
+
+
+def redacted_url(url: str | None) -> str:
+    """``url`` without its password, for logs."""
+    if not url:
+        return "none"
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not at:
+        return url
+    user = userinfo.partition(":")[0]
+    return f"{scheme}{sep}{user + ':' if user else ':'}***@{host}"
 
 
 def secret_metadata(secret: str | None) -> tuple[tuple[str, str], ...]:

@@ -147,6 +147,9 @@ class SchedulerServiceConfig:
     ``fault_exit_after_step`` is fault injection for tests, 0 (off) by default:
     the probability that the process exits (code 70) when a worker's answer
     arrives, after the worker computed the step and before it is applied.
+    ``cell_id`` names this scheduler's cell, stable across its restarts (""
+    means its listening address); with a ``redis_url`` the cell is published
+    for frontends to route by, under a lease of ``cell_lease_ttl_s``.
     """
 
     host: str = "127.0.0.1"
@@ -162,8 +165,15 @@ class SchedulerServiceConfig:
     tls: TlsConfig | None = None
     cluster_secret: str | None = None
     metrics_port: int | None = None
+    cell_id: str = ""
+    cell_lease_ttl_s: float = 3.0
 
     def __post_init__(self) -> None:
+        if len(self.cell_id) > 128 or not all(c.isalnum() or c in "-_.:" for c in self.cell_id):
+            raise ValueError(f"cell_id is {self.cell_id!r}: at most 128 characters among "
+                             "letters, digits and -_.:")
+        if not 0.5 <= self.cell_lease_ttl_s <= 60:
+            raise ValueError(f"cell_lease_ttl_s is {self.cell_lease_ttl_s}, must be in [0.5, 60]")
         for name in ("port", "metrics_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:

@@ -24,11 +24,14 @@ from services.common.engine import (
     EngineCoreRequest,
     FinishReason,
 )
+from services.common.cell_index import CellRecord
 from services.common.model_files import DEFAULT_MODEL_NAME
 from services.common.registration import WorkerRegistration
 from services.common.stats import SchedulerStats
 from services.common.validation import ValidationError, validate_engine_core_request
+from services.scheduler.cell_publisher import CellIndex, CellPublisher
 from services.scheduler.config import SchedulerServiceConfig, make_scheduler_config
+from services.scheduler.kv_mirror import MirroredKVStore
 from services.scheduler.kv_store import KVStore
 from services.scheduler.metrics import SchedulerMetrics, WorkerSnapshot
 from services.scheduler.request import Request
@@ -113,6 +116,10 @@ class Coordinator:
         self.clients: dict[int, ClientStream] = {}
         self.placements: dict[str, Placement] = {}  # by request id
         self.draining = False
+        # The cell (this scheduler and its workers): named at start (start_cell).
+        self.cell_id = config.cell_id
+        self.cell_index = CellIndex()
+        self.cell_publisher: CellPublisher | None = None
         self._next_client_index = 0
         self._next_engine_index = 0
         self.metrics = SchedulerMetrics(lambda: self.model or "", self.metrics_snapshots)
@@ -286,6 +293,9 @@ class Coordinator:
                        store: KVStore) -> WorkerSession:
         engine_index = self._next_engine_index
         config = make_scheduler_config(self.config.scheduling, registration, engine_index)
+        if isinstance(store, MirroredKVStore) and config.enable_prefix_caching:
+            # Before the Scheduler exists: its first delta is the recovered cache.
+            store.on_apply = lambda delta: self.cell_index.apply(registration.worker_id, delta)
         # Recovers the stored prefix cache, but what the worker may have overwritten.
         scheduler = Scheduler(config, store, registration.dirty_block_ids, log_stats=True)
         self.model = model
@@ -310,6 +320,7 @@ class Coordinator:
         if self.sessions.get(session.worker_id) is not session:
             return
         del self.sessions[session.worker_id]
+        self.cell_index.remove_worker(session.worker_id)
         session.close()
         session.metrics.remove()
         orphans = session.unfinished_requests()
@@ -356,6 +367,49 @@ class Coordinator:
         self.stop_accepting()
         for session in self.sessions.values():
             session.drain()
+
+    # ------------------------------------------------------------ the cell
+
+    def start_cell(self, default_cell_id: str) -> None:
+        """Names the cell (``config.cell_id``, else ``default_cell_id``) and, with
+        Redis, starts publishing it for frontends to route by."""
+        self.cell_id = self.config.cell_id or default_cell_id
+        if self.config.redis_url is not None and self.cell_publisher is None:
+            self.cell_publisher = CellPublisher(
+                self.config.redis_url, self.cell_id, self.cell_index, lambda: self.model,
+                self.cell_record, lease_ttl_s=self.config.cell_lease_ttl_s)
+            self.cell_publisher.start()
+
+    async def stop_cell(self) -> None:
+        if self.cell_publisher is not None:
+            await self.cell_publisher.close()
+            self.cell_publisher = None
+
+    @property
+    def cell_generation(self) -> int:
+        return 0 if self.cell_publisher is None else self.cell_publisher.generation
+
+    def cell_record(self) -> CellRecord:
+        """The cell's load summary: what new work would wait for here.
+
+        ``load_tokens`` sums, over the workers, the KV blocks in use times the
+        block size and the tokens of waiting requests (not yet in blocks).
+        """
+        record = CellRecord(generation=self.cell_generation,
+                            block_size=self.cell_index.block_size,
+                            num_workers=0 if self.draining else len(self.sessions),
+                            updated_ms=int(time.time() * 1000))
+        for session in self.sessions.values():
+            scheduler = session.scheduler
+            config = scheduler.config
+            free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+            record.load_tokens += (config.num_usable_blocks - free) * config.block_size
+            record.load_tokens += sum(r.num_tokens for r in scheduler.waiting)
+            record.num_waiting += len(scheduler.waiting)
+            record.num_running += len(scheduler.running)
+            if record.block_size == 0:
+                record.block_size = config.block_size
+        return record
 
     # ------------------------------------------------------------ stats
 

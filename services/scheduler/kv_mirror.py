@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import redis
@@ -49,7 +50,8 @@ class MirroredKVStore:
     ``snapshot`` is what the store held when the worker registered (read on a
     thread before the scheduler is built), returned once by ``load()``.
     ``kv_cache_id`` names the worker's KV cache; every clear delta writes it,
-    so the stored state says which cache it describes.
+    so the stored state says which cache it describes. ``on_apply``, when
+    set, sees every delta first, on the owner's thread (the cell index).
     """
 
     def __init__(self, store: RedisKVStore, worker_id: str, kv_cache_id: str,
@@ -58,6 +60,7 @@ class MirroredKVStore:
         self.worker_id = worker_id
         self.kv_cache_id = kv_cache_id
         self._snapshot = snapshot
+        self.on_apply: Callable[[KVStateDelta], None] | None = None
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._pending: KVStateDelta | None = None
@@ -87,6 +90,8 @@ class MirroredKVStore:
 
     def apply(self, delta: KVStateDelta) -> None:
         """Queues ``delta`` (merged with what is still unwritten); never blocks on Redis."""
+        if self.on_apply is not None:
+            self.on_apply(delta)
         if delta.clear:
             delta = replace(delta, kv_cache_id=self.kv_cache_id or None)
         with self._work:

@@ -28,6 +28,8 @@ from services.common.security import (
     add_security_args,
     bind,
     read_cluster_secret,
+    read_redis_url,
+    redacted_url,
     tls_from_args,
 )
 from services.scheduler.config import SchedulerServiceConfig, SchedulingOptions
@@ -73,12 +75,14 @@ class SchedulerServer:
         if self.port == 0:
             raise OSError(f"could not bind {self.config.host}:{self.config.port}")
         await self._server.start()
+        self.coordinator.start_cell(self.address)
         if self.metrics_server is not None:
             await self.metrics_server.start()
         for service in ("", ENGINE_CORE_SERVICE, LIVENESS_SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        logger.info("event=scheduler_serving address=%s redis=%s tls=%s cluster_secret=%s",
-                    self.address, "yes" if self.config.redis_url else "in-memory",
+        logger.info("event=scheduler_serving address=%s cell=%s redis=%s tls=%s cluster_secret=%s",
+                    self.address, self.coordinator.cell_id,
+                    redacted_url(self.config.redis_url) if self.config.redis_url else "in-memory",
                     _tls_mode(self.config.tls), "yes" if self.config.cluster_secret else "no")
 
     async def stop(self, grace: float | None = 5.0, *, drain_workers: bool = True) -> None:
@@ -94,6 +98,7 @@ class SchedulerServer:
         deadline = time.monotonic() + grace_s
         await self.health.enter_graceful_shutdown()
         self.coordinator.stop_accepting()
+        await self.coordinator.stop_cell()  # frontends route no new request here
         logger.info("event=scheduler_draining num_in_flight=%d", len(self.coordinator.placements))
         await _wait_until(lambda: not self.coordinator.placements, time.monotonic() + grace_s / 2)
         if drain_workers:
@@ -133,7 +138,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[SchedulerServiceConfig, a
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port, help="0 picks a free port")
-    p.add_argument("--redis-url", default=d.redis_url, help="default: KV mirror in memory")
+    p.add_argument("--redis-url", default=d.redis_url,
+                   help="redis[s]://[:PASSWORD@]HOST:PORT/DB (default: $KVMESH_REDIS_URL; "
+                        "none: KV mirror in memory, no cell published)")
+    p.add_argument("--cell-id", default=d.cell_id,
+                   help="this scheduler's cell, stable across restarts (default: its address)")
+    p.add_argument("--cell-lease-ttl-s", type=float, default=d.cell_lease_ttl_s,
+                   help="how long the cell's Redis record outlives its last renewal")
     p.add_argument("--model", default=d.model, help="default: the first worker's model")
     SchedulingOptions.add_cli_args(p)
     p.add_argument("--load-weight-tokens", type=float, default=d.load_weight_tokens)
@@ -152,7 +163,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[SchedulerServiceConfig, a
     config = SchedulerServiceConfig(
         host=args.host,
         port=args.port,
-        redis_url=args.redis_url,
+        redis_url=read_redis_url(args.redis_url),
         model=args.model,
         scheduling=SchedulingOptions.from_cli_args(args),
         load_weight_tokens=args.load_weight_tokens,
@@ -162,6 +173,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[SchedulerServiceConfig, a
         tls=tls_from_args(args),
         cluster_secret=read_cluster_secret(args.cluster_secret_file),
         metrics_port=args.metrics_port,
+        cell_id=args.cell_id,
+        cell_lease_ttl_s=args.cell_lease_ttl_s,
     )
     return config, args
 

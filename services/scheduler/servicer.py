@@ -130,7 +130,14 @@ class EngineCoreServicer(scheduler_pb2_grpc.EngineCoreServicer):
     async def GetStats(
         self, request: api_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> api_pb2.ClusterStats:
-        return cluster_stats_to_proto(self.coordinator.stats(request.include_block_map))
+        coordinator = self.coordinator
+        stats = cluster_stats_to_proto(coordinator.stats(request.include_block_map))
+        record = coordinator.cell_record()
+        stats.cell_id = coordinator.cell_id
+        stats.cell_generation = record.generation
+        stats.load_tokens = record.load_tokens
+        stats.block_size = record.block_size
+        return stats
 
 
 def _is_request(message: spb.FrontendMessage) -> bool:
