@@ -27,7 +27,8 @@ from services.common.validation import (
     MAX_CLIENT_REQUEST_ID_CHARS,
     check_string_length,
 )
-from services.frontend.engine_core_client import EngineCoreClient, EngineUnavailableError
+from services.frontend.engine_cells import EngineCells
+from services.frontend.engine_core_client import EngineUnavailableError
 from services.frontend.input_processor import InputProcessor, PromptType
 from services.frontend.metrics import IterationStats
 from services.frontend.output_processor import OutputProcessor
@@ -103,31 +104,26 @@ class AsyncLLM:
     """Adds requests, streams their outputs, aborts them when the caller leaves.
 
     Build with ``AsyncLLM(input_processor, output_processor)``, then
-    ``attach(engine_core)`` a client whose callbacks are ``handle_outputs``
-    and ``handle_disconnect``; ``handle_cluster_ready`` when the cluster can
-    serve again. With a ``stat_logger``, every output and abort is recorded in it.
+    ``attach(engine_core)`` the cells (``EngineCells``) whose callbacks are
+    ``handle_outputs``, ``handle_lost`` and ``current_request``. With a
+    ``stat_logger``, every output and abort is recorded in it.
 
-    When the scheduler stream breaks (the scheduler restarted), requests in
-    flight are kept, and requests that arrive are accepted, for
-    ``resubmit_grace_s``: once a stream is back and the scheduler has a
-    worker again, each one is sent again with the tokens it has so far, which
-    the engine recomputes before it goes on, so the client's stream just
-    continues. After the grace period they fail with UNAVAILABLE.
+    When a scheduler's stream breaks, its requests are kept and sent again
+    (to it once it is back, or to another cell) with the tokens they have so
+    far, which the engine recomputes before it goes on, so the client's
+    stream just continues (see engine_cells.py); those no cell takes within
+    the grace fail with UNAVAILABLE (``handle_lost``).
     """
 
     def __init__(self, input_processor: InputProcessor, output_processor: OutputProcessor,
-                 resubmit_grace_s: float = 30.0,
                  stat_logger: PrometheusStatLogger | None = None) -> None:
         self.input_processor = input_processor
         self.output_processor = output_processor
-        self.resubmit_grace_s = resubmit_grace_s
         self.stat_logger = stat_logger
-        self.engine_core: EngineCoreClient | None = None
+        self.engine_core: EngineCells | None = None
         self._collectors: dict[str, RequestOutputCollector] = {}
-        # Set while the stream is down within the grace period: fails everything at its end.
-        self._grace_timer: asyncio.TimerHandle | None = None
 
-    def attach(self, engine_core: EngineCoreClient) -> None:
+    def attach(self, engine_core: EngineCells) -> None:
         self.engine_core = engine_core
 
     @property
@@ -159,7 +155,7 @@ class AsyncLLM:
         key, children = self._add_request(request_id, rendered, params, priority, cache_salt)
         collector = self._collectors[key]
         try:
-            self._send(children)
+            await self._send(children)
         except RequestFailedError as error:
             self._collectors.pop(key)
             self.output_processor.abort_requests([key])
@@ -198,14 +194,11 @@ class AsyncLLM:
         )
         return key, children
 
-    def _send(self, children: list[EngineCoreRequest]) -> None:
-        if self._grace_timer is not None:
-            return  # the stream is coming back: handle_connect sends them
+    async def _send(self, children: list[EngineCoreRequest]) -> None:
         try:
             if self.engine_core is None:
                 raise EngineUnavailableError("the frontend is not connected to a scheduler yet")
-            for child in children:
-                self.engine_core.add_request(child)
+            await self.engine_core.add_requests(children)
         except EngineUnavailableError as e:
             raise RequestFailedError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
 
@@ -246,33 +239,15 @@ class AsyncLLM:
                 del self._collectors[key]
                 self._log_finished(key, request_output)
 
-    def handle_disconnect(self, reason: str) -> None:
-        """The stream broke (the scheduler dropped every request it carried): keep
-        them for ``resubmit_grace_s``, then fail what is left with UNAVAILABLE."""
-        if self._grace_timer is None:
-            self._grace_timer = asyncio.get_running_loop().call_later(
-                self.resubmit_grace_s, self._fail_all, reason)
+    def handle_lost(self, internal_ids: list[str], reason: str) -> None:
+        """Requests no scheduler took back within the grace: they fail with UNAVAILABLE."""
+        for internal_id in internal_ids:
+            self._fail(internal_id, RequestFailedError(
+                grpc.StatusCode.UNAVAILABLE, f"lost the scheduler stream: {reason}"))
 
-    def handle_cluster_ready(self) -> None:
-        """The stream is up and the scheduler has a worker: sends again every request
-        the broken stream carried, and those that arrived meanwhile, with their
-        outputs so far."""
-        if self._grace_timer is None:
-            return
-        self._grace_timer.cancel()
-        self._grace_timer = None
-        requests = self.output_processor.requests_to_resubmit()
-        for request in requests:
-            self.engine_core.add_request(request)
-        logger.info("event=requests_resubmitted num_requests=%d", len(requests))
-
-    def _fail_all(self, reason: str) -> None:
-        self._grace_timer = None
-        for key in list(self._collectors):
-            self.output_processor.abort_requests([key])
-            self._collectors.pop(key).put(RequestFailedError(
-                grpc.StatusCode.UNAVAILABLE, f"lost the scheduler stream: {reason}"
-            ))
+    def current_request(self, internal_id: str) -> EngineCoreRequest | None:
+        """The request as it stands (to send again), None once it is finished."""
+        return self.output_processor.request_to_resubmit(internal_id)
 
     def _fail(self, internal_id: str, error: RequestFailedError) -> None:
         state = self.output_processor.request_states.get(internal_id)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from services.common.max_model_len import max_model_len_from_hf_config
 from services.common.model_files import DEFAULT_MODEL_NAME
+from services.common.scheduler_addresses import parse_scheduler_addresses
 from services.common.security import TlsConfig
 from services.common.validation import DEFAULT_MAX_LOGPROBS, RequestLimits
 
@@ -26,8 +27,13 @@ class FrontendServiceConfig:
     serves the public APIs over TLS (its certificate and key) and
     authenticates the frontend to the scheduler (the same certificate, checked
     against its CA); ``cluster_secret`` goes with every scheduler call.
-    ``resubmit_grace_s`` is how long requests wait for a restarted scheduler
-    (see AsyncLLM); ``request_limits`` bound each request before it is tokenized.
+    ``scheduler_address`` is ``HOST:PORT[,HOST:PORT...]``, one per scheduler
+    (cell), or a DNS name resolving to several. ``redis_url`` reads the
+    cells' prefix index to route requests (None: by load only), weighing a
+    prompt token to prefill by ``router_prefill_weight``. A lost cell's
+    requests wait ``cell_grace_s`` for it before another cell takes them;
+    requests wait at most ``resubmit_grace_s`` for any cell (engine_cells.py).
+    ``request_limits`` bound each request before it is tokenized.
     ``logits_processors`` names the custom processors the workers run (plus
     the installed plugins): their ``validate_params`` run at admission.
     ``chat_template`` replaces the model's (a bundled name such as
@@ -49,6 +55,9 @@ class FrontendServiceConfig:
     api_keys: tuple[str, ...] = ()
     admin_api_keys: tuple[str, ...] = ()
     resubmit_grace_s: float = 30.0
+    redis_url: str | None = None
+    router_prefill_weight: float = 1.0
+    cell_grace_s: float = 1.0
     request_limits: RequestLimits = field(default_factory=RequestLimits)
     logits_processors: list[str] = field(default_factory=list)
     chat_template: str | None = None
@@ -68,8 +77,10 @@ class FrontendServiceConfig:
             raise ValueError(f"max_logprobs is {self.max_logprobs}, must be >= 0")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval is {self.stream_interval}, must be >= 1")
-        if self.resubmit_grace_s < 0:
-            raise ValueError(f"resubmit_grace_s is {self.resubmit_grace_s}, must be >= 0")
+        for name in ("resubmit_grace_s", "cell_grace_s", "router_prefill_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} is {getattr(self, name)}, must be >= 0")
+        parse_scheduler_addresses(self.scheduler_address)  # ValueError naming the bad one
 
 
 @dataclass(slots=True, frozen=True)

@@ -43,7 +43,8 @@ class EngineCoreClient:
     ``on_disconnect(reason)`` once each time an established stream breaks;
     ``on_connect()`` each time a stream is established. Backoff between
     connection attempts doubles from ``initial_backoff_s`` to ``max_backoff_s``.
-    ``tls`` and ``cluster_secret`` authenticate this frontend to the scheduler.
+    ``tls`` and ``cluster_secret`` authenticate this frontend to the scheduler;
+    ``channel_options`` add to the channel's (a TLS name for a resolved address).
     """
 
     def __init__(
@@ -57,6 +58,7 @@ class EngineCoreClient:
         max_backoff_s: float = 2.0,
         tls: TlsConfig | None = None,
         cluster_secret: str | None = None,
+        channel_options: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self.address = address
         self._metadata = secret_metadata(cluster_secret)
@@ -65,7 +67,7 @@ class EngineCoreClient:
         self._on_disconnect = on_disconnect
         self._initial_backoff_s = initial_backoff_s
         self._max_backoff_s = max_backoff_s
-        self._channel = aio_channel(address, tls, CHANNEL_OPTIONS)
+        self._channel = aio_channel(address, tls, (*CHANNEL_OPTIONS, *channel_options))
         self._stub = scheduler_pb2_grpc.EngineCoreStub(self._channel)
         # The outgoing queue of the current stream; None while disconnected.
         self._send_queue: asyncio.Queue[scheduler_pb2.FrontendMessage | None] | None = None

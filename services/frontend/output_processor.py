@@ -253,14 +253,14 @@ class OutputProcessor:
                 aborted.append(request_id)
         return aborted
 
-    def requests_to_resubmit(self) -> list[EngineCoreRequest]:
-        """Every unfinished engine request with the output tokens it has so far,
-        to send to a scheduler that does not know them (after a restart)."""
-        return [
-            dataclasses.replace(state.request,
-                                output_token_ids=list(state.detokenizer.output_token_ids))
-            for state in self.request_states.values()
-        ]
+    def request_to_resubmit(self, request_id: str) -> EngineCoreRequest | None:
+        """The unfinished engine request ``request_id`` with the output tokens it has
+        so far, to send to a scheduler that does not know it; None if finished."""
+        state = self.request_states.get(request_id)
+        if state is None:
+            return None
+        return dataclasses.replace(state.request,
+                                   output_token_ids=list(state.detokenizer.output_token_ids))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)

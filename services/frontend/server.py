@@ -2,15 +2,15 @@
 the HTTP API (services/frontend/http) on the same event loop and AsyncLLM.
 
 Start-up order: listen at once with health NOT_SERVING, load the tokenizer,
-open the one FrontendStream to the scheduler, then report SERVING once the
-scheduler answers and has a worker. Health is NOT_SERVING while the scheduler
-stream is down, while the scheduler does not answer or has no worker, and
-while draining. Status codes: INVALID_ARGUMENT for a bad request (the message
+open one FrontendStream to each scheduler (cell, engine_cells.py), then
+report SERVING once a scheduler answers and has a worker. Health is
+NOT_SERVING while no cell can serve (streams down, schedulers not answering
+or without workers), and while draining. Status codes: INVALID_ARGUMENT for a bad request (the message
 names the field and its allowed range), UNAVAILABLE when no scheduler or
 worker can serve, RESOURCE_EXHAUSTED when the scheduler's queue is full,
 UNAUTHENTICATED / PERMISSION_DENIED when API keys are on (auth.py).
 
-``python -m services.frontend.server --port 50051 --scheduler-address HOST:PORT``
+``python -m services.frontend.server --port 50051 --scheduler-address HOST:PORT[,HOST:PORT...]``
 """
 
 from __future__ import annotations
@@ -31,13 +31,20 @@ from kvmesh.v1 import api_pb2, api_pb2_grpc
 from services.common.model_files import resolve_model_dir
 from services.common.process import configure_logging, wait_for_shutdown_signal
 from services.common.rpc import LIVENESS_SERVICE, SERVER_OPTIONS, DecodeErrorInterceptor
-from services.common.security import add_security_args, bind, read_cluster_secret, tls_from_args
+from services.common.scheduler_addresses import parse_scheduler_addresses
+from services.common.security import (
+    add_security_args,
+    bind,
+    read_cluster_secret,
+    read_redis_url,
+    tls_from_args,
+)
 from services.frontend import api_convert
 from services.frontend.async_llm import AsyncLLM, RequestFailedError
 from services.frontend.auth import ApiKeyAuth, AuthError, Role, parse_api_keys
 from services.frontend.chat_templates import load_chat_template
 from services.frontend.config import FrontendServiceConfig, ModelInfo, read_model_info
-from services.frontend.engine_core_client import EngineCoreClient
+from services.frontend.engine_cells import EngineCells
 from services.common.validation import (
     DEFAULT_MAX_LOGPROBS,
     RequestLimits,
@@ -69,9 +76,9 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
         self.auth = auth or ApiKeyAuth()
         self.engine: AsyncLLM | None = None
         self.model_info: ModelInfo | None = None
-        self.engine_core: EngineCoreClient | None = None
+        self.engine_core: EngineCells | None = None
 
-    def ready(self, engine: AsyncLLM, model_info: ModelInfo, engine_core: EngineCoreClient) -> None:
+    def ready(self, engine: AsyncLLM, model_info: ModelInfo, engine_core: EngineCells) -> None:
         self.engine, self.model_info, self.engine_core = engine, model_info, engine_core
 
     async def _authorize(self, context: grpc.aio.ServicerContext, role: Role) -> str | None:
@@ -169,7 +176,7 @@ class FrontendServer:
         self.health = health.aio.HealthServicer()
         auth = ApiKeyAuth(config.api_keys, config.admin_api_keys)
         self.servicer = GenerationServicer(auth)
-        self.engine_core: EngineCoreClient | None = None
+        self.engine_core: EngineCells | None = None
         reasoning_parser = (None if config.reasoning_parser is None
                             else get_reasoning_parser(config.reasoning_parser))
         self.http_state = HttpState(self.servicer, auth, get_tool_parser(config.tool_call_parser),
@@ -201,40 +208,30 @@ class FrontendServer:
         for service in ("", GENERATION_SERVICE):
             await self.health.set(service, status)
 
-    async def _watch_health(self, engine: AsyncLLM) -> None:
-        """SERVING only while the scheduler stream is up, the scheduler answers
-        GetStats and at least one worker is registered; checked every second and
-        at once when the stream goes up or down (``_health_poke``). Turning
-        SERVING is also when requests kept across a scheduler restart go out."""
+    async def _watch_health(self) -> None:
+        """SERVING while some cell's stream is up, its scheduler answers GetStats
+        and has a worker; checked every second and at once when a stream goes
+        up or down (``_health_poke``). Each check also sends requests that
+        wait for a cell (a scheduler restarted or died) where they can go."""
+        assert self.engine_core is not None
         serving = False
         while True:
             self._health_poke.clear()
-            can_serve = await self._cluster_can_serve()
+            can_serve = await self.engine_core.refresh()
             if can_serve != serving:
                 serving = self.http_state.cluster_serving = can_serve
                 await self._set_serving(serving)
                 logger.info("event=frontend_health serving=%s", serving)
-            if serving:
-                engine.handle_cluster_ready()  # a no-op unless requests wait for it
             try:
                 await asyncio.wait_for(self._health_poke.wait(), _HEALTH_CHECK_INTERVAL_S)
             except TimeoutError:
                 pass
 
-    async def _cluster_can_serve(self) -> bool:
-        if self.engine_core is None or not self.engine_core.connected:
-            return False
-        try:
-            stats = await self.engine_core.get_stats(timeout_s=_HEALTH_CHECK_INTERVAL_S * 2)
-        except grpc.aio.AioRpcError:
-            return False  # a frozen or failing scheduler
-        return len(stats.workers) > 0
-
     async def start(self) -> None:
-        """Listens (NOT_SERVING), loads the tokenizer, starts the scheduler stream.
+        """Listens (NOT_SERVING), loads the tokenizer, starts the scheduler streams.
 
         Liveness turns SERVING once the tokenizer is loaded; health ("") when
-        the stream is up and the cluster can serve, after this returns.
+        a stream is up and its cell can serve, after this returns.
         """
         await self._set_serving(False)
         await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -244,30 +241,24 @@ class FrontendServer:
         logger.info("event=frontend_listening address=%s http=%s", self.address,
                     self.http.url if self.http is not None else "off")
         engine, model_info = await asyncio.to_thread(self._build_engine)
-        self.engine_core = EngineCoreClient(
-            self.config.scheduler_address,
-            engine.handle_outputs,
-            on_connect=self._on_connect,
-            on_disconnect=lambda reason: self._on_disconnect(engine, reason),
-            tls=self.config.tls,
-            cluster_secret=self.config.cluster_secret,
-        )
+        config = self.config
+        self.engine_core = EngineCells(
+            parse_scheduler_addresses(config.scheduler_address), model_info.name,
+            engine.handle_outputs, engine.handle_lost, engine.current_request,
+            tls=config.tls, cluster_secret=config.cluster_secret, redis_url=config.redis_url,
+            prefill_weight=config.router_prefill_weight, cell_grace_s=config.cell_grace_s,
+            resubmit_grace_s=config.resubmit_grace_s, on_change=self._health_poke.set)
         engine.attach(self.engine_core)
+        if engine.stat_logger is not None:
+            engine.stat_logger.observe_cells(self.engine_core)
         self.servicer.ready(engine, model_info, self.engine_core)
-        self.engine_core.start()
+        await self.engine_core.start()
         await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-        self._health_task = asyncio.create_task(self._watch_health(engine),
-                                                name="frontend-health")
-        logger.info("event=frontend_loaded model=%s max_model_len=%d vocab_size=%d scheduler=%s",
-                    model_info.name, model_info.max_model_len, model_info.vocab_size,
-                    self.config.scheduler_address)
-
-    def _on_connect(self) -> None:
-        self._health_poke.set()
-
-    def _on_disconnect(self, engine: AsyncLLM, reason: str) -> None:
-        self._health_poke.set()
-        engine.handle_disconnect(reason)
+        self._health_task = asyncio.create_task(self._watch_health(), name="frontend-health")
+        logger.info("event=frontend_loaded model=%s max_model_len=%d vocab_size=%d schedulers=%s "
+                    "prefix_routing=%s", model_info.name, model_info.max_model_len,
+                    model_info.vocab_size, config.scheduler_address,
+                    "redis" if config.redis_url else "off")
 
     def _build_engine(self) -> tuple[AsyncLLM, ModelInfo]:
         model_dir = resolve_model_dir(self.config.model)
@@ -286,8 +277,7 @@ class FrontendServer:
             logits_processor_validators(self.config.logits_processors))
         output_processor = OutputProcessor(tokenizer, self.config.stream_interval)
         stat_logger = PrometheusStatLogger(info.name, info.max_model_len)
-        return AsyncLLM(input_processor, output_processor, self.config.resubmit_grace_s,
-                        stat_logger), info
+        return AsyncLLM(input_processor, output_processor, stat_logger), info
 
     def _chat_template(self) -> str | None:
         """The template that replaces the model's, or None to keep it."""
@@ -329,13 +319,24 @@ def parse_args(argv: list[str] | None = None) -> tuple[FrontendServiceConfig, st
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--scheduler-address", default="127.0.0.1:50052")
+    p.add_argument("--scheduler-address", default="127.0.0.1:50052",
+                   help="HOST:PORT[,HOST:PORT...] of every scheduler (cell), or a DNS name "
+                        "that resolves to several (re-resolved every few seconds)")
+    p.add_argument("--redis-url", default=None,
+                   help="the cells' prefix index, to route requests to the cell that holds "
+                        "their prefix (default: $KVMESH_REDIS_URL; none: route by load)")
+    p.add_argument("--router-prefill-weight", type=float, default=1.0,
+                   help="weight of a prompt token a cell would prefill against one token "
+                        "of its load (see services/frontend/cell_routing.py)")
+    p.add_argument("--cell-grace-s", type=float, default=1.0,
+                   help="how long a lost cell's requests wait for it before another cell "
+                        "takes them")
     p.add_argument("--model", default=None, help="HF model dir or .gguf file (default: SmolLM2)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS)
     p.add_argument("--stream-interval", type=int, default=1)
     p.add_argument("--resubmit-grace-s", type=float, default=30.0,
-                   help="how long requests wait for a restarted scheduler before failing")
+                   help="how long requests wait for any scheduler before failing")
     RequestLimits.add_cli_args(p)
     p.add_argument("--logits-processors", nargs="*", default=[],
                    help="the workers' custom processors (module:Class): their "
@@ -363,6 +364,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[FrontendServiceConfig, st
         host=args.host, port=args.port, scheduler_address=args.scheduler_address,
         model=args.model, max_model_len=args.max_model_len, max_logprobs=args.max_logprobs,
         stream_interval=args.stream_interval, resubmit_grace_s=args.resubmit_grace_s,
+        redis_url=read_redis_url(args.redis_url),
+        router_prefill_weight=args.router_prefill_weight, cell_grace_s=args.cell_grace_s,
         request_limits=RequestLimits.from_cli_args(args),
         logits_processors=args.logits_processors,
         chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,

@@ -8,7 +8,11 @@ scheduler reports queues, KV cache and per-phase times on its own endpoint.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from services.common.engine import FinishReason
 from services.common.prometheus import (
@@ -19,11 +23,15 @@ from services.common.prometheus import (
 )
 from services.frontend.metrics import IterationStats
 
+if TYPE_CHECKING:
+    from services.frontend.engine_cells import EngineCells
+
 
 class PrometheusStatLogger:
     """Every frontend metric, labelled ``model_name``, in a registry of its own."""
 
     def __init__(self, model_name: str, max_model_len: int) -> None:
+        self.model_name = model_name
         self.registry = registry = CollectorRegistry()
         labels = ("model_name",)
         token_buckets = build_1_2_5_buckets(max_model_len)
@@ -81,3 +89,37 @@ class PrometheusStatLogger:
     def record_aborted(self, num_requests: int) -> None:
         """Requests the client left before they finished."""
         self.request_success[str(FinishReason.ABORT)].inc(num_requests)
+
+    def observe_cells(self, cells: EngineCells) -> None:
+        """Adds the cells' state, read at each scrape (nothing per request)."""
+        self.registry.register(_CellCollector(self.model_name, cells))
+
+
+class _CellCollector:
+    """Per cell: load, workers, whether its stream is up, requests routed by reason."""
+
+    def __init__(self, model_name: str, cells: EngineCells) -> None:
+        self._model_name = model_name
+        self._cells = cells
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model_name", "cell"]
+        load = GaugeMetricFamily("kvmesh:cell_load_tokens",
+                                 "Tokens of work waiting in the cell (its published load "
+                                 "plus prompts this frontend sent it since).", labels=labels)
+        workers = GaugeMetricFamily("kvmesh:cell_num_workers",
+                                    "Workers registered in the cell.", labels=labels)
+        up = GaugeMetricFamily("kvmesh:cell_connected",
+                               "1 while this frontend's stream to the cell is up.", labels=labels)
+        routed = CounterMetricFamily("kvmesh:cell_routed_requests",
+                                     "Requests this frontend sent to the cell, by reason "
+                                     "(prefix, load, fallback, resubmit).",
+                                     labels=[*labels, "reason"])
+        for cell in list(self._cells.cells.values()):
+            key = [self._model_name, cell.name]
+            load.add_metric(key, cell.load_tokens + cell.pending_tokens)
+            workers.add_metric(key, cell.num_workers)
+            up.add_metric(key, 1.0 if cell.client.connected else 0.0)
+            for reason, count in cell.routed.items():
+                routed.add_metric([*key, reason], count)
+        yield from (load, workers, up, routed)

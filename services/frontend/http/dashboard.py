@@ -14,10 +14,14 @@ GetStats with every worker's block map, as JSON:
                   "num_generation_tokens": 800,
                   "generation_tokens_per_s": [0.0, 12.5, ...], "history_interval_s": 2.0,
                   "block_map": "<base64: one byte per cell, 0 free, 1 cached and free, 2 used>",
-                  "blocks_per_cell": 1}]}
+                  "blocks_per_cell": 1, "cell_id": "cell-0"}],
+     "cells": [{"cell_id": "cell-0", "address": "10.0.0.5:50052", "connected": true,
+                "generation": 3, "num_workers": 1, "load_tokens": 480,
+                "routed_requests": {"prefix": 12, "load": 30}}]}
 
 Counters are cumulative; the page turns them into rates between polls.
-Field meanings are those of ``kvmesh.v1.WorkerStats``.
+Field meanings are those of ``kvmesh.v1.WorkerStats`` and ``CellStats`` (the
+cells this frontend routes between; see engine_cells.py).
 """
 
 from __future__ import annotations
@@ -46,6 +50,13 @@ def worker_stats_to_json(stats: api_pb2.WorkerStats) -> dict[str, Any]:
     return result
 
 
+def cell_stats_to_json(stats: api_pb2.CellStats) -> dict[str, Any]:
+    return {"cell_id": stats.cell_id, "address": stats.address, "connected": stats.connected,
+            "generation": stats.generation, "num_workers": stats.num_workers,
+            "load_tokens": stats.load_tokens, "routed_requests": dict(stats.routed_requests)}
+
+
 def cluster_stats_to_json(stats: api_pb2.ClusterStats, model_name: str) -> dict[str, Any]:
     return {"time": time.time(), "model": model_name,
-            "workers": [worker_stats_to_json(w) for w in stats.workers]}
+            "workers": [worker_stats_to_json(w) for w in stats.workers],
+            "cells": [cell_stats_to_json(c) for c in stats.cells]}

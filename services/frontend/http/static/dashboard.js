@@ -53,6 +53,7 @@ class Panel {
     const cells = decodeBlockMap(stats.block_map);
     drawBlockMap(this.field("block-map"), cells, this.previousCells);
     const numFree = stats.num_free_blocks - stats.num_cached_free_blocks;
+    this.field("cell-id").textContent = stats.cell_id ? `in ${stats.cell_id}` : "";
     this.field("blocks-summary").textContent =
       `${stats.num_total_blocks} blocks` +
       (stats.blocks_per_cell > 1 ? `, ${stats.blocks_per_cell} per cell` : "");
@@ -185,7 +186,29 @@ function render(body) {
   $("tokens-per-s").textContent =
     workers.reduce((total, w) => total + last(w.generation_tokens_per_s), 0).toFixed(1);
   $("hit-rate").textContent = queries ? percent(sum("prefix_cache_hits") / queries) : "–";
+  renderCells(body.cells || []);
   $("updates").textContent = ++numUpdates;
+}
+
+// One row per cell (a scheduler and its workers) this frontend routes between.
+function renderCells(cells) {
+  const table = $("cells");
+  table.hidden = cells.length === 0;
+  const rows = table.querySelector("tbody");
+  rows.replaceChildren(...cells.map((cell) => {
+    const routed = cell.routed_requests;
+    const values = [cell.cell_id || "–", cell.address, cell.connected ? "up" : "down",
+      cell.num_workers, cell.load_tokens,
+      ["prefix", "load", "fallback", "resubmit"].map((r) => routed[r] || 0).join(" · ")];
+    const row = document.createElement("tr");
+    row.className = cell.connected ? "" : "down";
+    for (const value of values) {
+      const td = document.createElement("td");
+      td.textContent = value;
+      row.appendChild(td);
+    }
+    return row;
+  }));
 }
 
 function setStatus(text, kind) {
