@@ -21,6 +21,7 @@ import torch
 
 from services.common.limits import SchedulingLimits
 from services.common.max_model_len import get_sliding_window, max_model_len_limit
+from services.common.scheduler_addresses import parse_scheduler_addresses
 from services.common.security import TlsConfig
 from services.common.speculative import SpeculativeConfig
 from services.worker.cudagraph import CUDAGraphMode, default_capture_sizes
@@ -371,6 +372,14 @@ class WorkerServiceConfig:
     ``connect_timeout_s`` None waits for the scheduler forever. ``tls``
     (client certificate and CA) and ``cluster_secret`` authenticate the
     worker to the scheduler.
+
+    ``scheduler_address`` is ``HOST:PORT[,HOST:PORT...]``, or a DNS name that
+    resolves to one address per scheduler: one cell each. With one scheduler
+    the worker only ever dials that one. With several it joins the live cell
+    with the fewest workers; a worker that lost its scheduler dials it again
+    for ``rejoin_grace_s``, then chooses again; every ``rebalance_interval_s``
+    (jittered by +-50%, 0: never) an idle worker of a cell with 2 or more
+    workers than the smallest moves there.
     """
 
     scheduler_address: str = "127.0.0.1:50052"
@@ -382,10 +391,19 @@ class WorkerServiceConfig:
     connect_timeout_s: float | None = None
     tls: TlsConfig | None = None
     cluster_secret: str | None = None
+    rejoin_grace_s: float = 5.0
+    rebalance_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.worker_id:
             raise ValueError("worker_id is empty, must be a non-empty string")
+        try:
+            parse_scheduler_addresses(self.scheduler_address)
+        except ValueError as e:
+            raise ValueError(f"scheduler_address: {e}") from e
+        for name in ("rejoin_grace_s", "rebalance_interval_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} is {getattr(self, name)}, must be >= 0")
         for name in ("health_port", "metrics_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:

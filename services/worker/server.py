@@ -10,6 +10,13 @@ thread (the next one prepared while this one computes) so the event loop
 keeps reading steps, writing outputs and serving health checks meanwhile. If the
 scheduler goes away the worker forgets its requests, keeps its KV memory, and
 dials again; it exits on Drain or SIGTERM / SIGINT (after the step in flight).
+
+Given several schedulers (cells: ``--scheduler-address A:P,B:P`` or a DNS name
+with one address per scheduler), the worker joins the live cell with the
+fewest workers (services/worker/cell_choice.py), dials a lost one again for
+``--rejoin-grace-s`` before choosing again, and every
+``--rebalance-interval-s`` moves, when idle, from a crowded cell to the
+smallest.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import random
+import time
 import uuid
 from collections.abc import Awaitable
 from typing import TypeVar
@@ -37,17 +46,29 @@ from services.common.convert import (
 from services.common.limits import SchedulingLimits
 from services.common.process import SHUTDOWN_SIGNALS, configure_logging
 from services.common.prometheus import MetricsServer
-from services.common.rpc import CHANNEL_OPTIONS, KV_CACHE_ID_METADATA_KEY, LIVENESS_SERVICE
+from services.common.rpc import KV_CACHE_ID_METADATA_KEY, LIVENESS_SERVICE
 from services.common.security import (
     add_security_args,
-    aio_channel,
     read_cluster_secret,
     secret_metadata,
     tls_from_args,
 )
 from services.common.model_runner_output import ModelRunnerOutput
+from services.common.scheduler_addresses import (
+    SchedulerTarget,
+    parse_scheduler_addresses,
+    resolve_scheduler_targets,
+)
 from services.common.scheduler_output import SchedulerOutput
 from services.common.speculative import SpeculativeConfig
+from services.worker.cell_choice import (
+    SchedulerChannels,
+    choose_cell,
+    idle_workers_of,
+    num_workers_of,
+    probe_cells,
+    rebalance_target,
+)
 from services.worker.config import (
     LatencyModel,
     WorkerConfig,
@@ -71,6 +92,9 @@ _RETRYABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ALREADY_EXISTS,
 _MIN_BACKOFF_S = 0.1
 _MAX_BACKOFF_S = 2.0
 _CLOSE_TIMEOUT_S = 5.0
+# However little of rejoin_grace_s is left, a freshly chosen live scheduler
+# gets this long to acknowledge the registration.
+_MIN_REGISTER_WAIT_S = 1.0
 
 
 class _Stopped(Exception):
@@ -100,6 +124,8 @@ class WorkerService:
             self.metrics_server = MetricsServer(self.metrics.registry, config.health_host,
                                                 config.metrics_port)
         self.pipeline: StepPipeline | None = None
+        self._scheduler_addresses = parse_scheduler_addresses(config.scheduler_address)
+        self._channels = SchedulerChannels(config.tls)
         self._stop = asyncio.Event()
         self._stop_waiter: asyncio.Future[bool] | None = None
 
@@ -122,14 +148,13 @@ class WorkerService:
             self.pipeline = StepPipeline(self.worker, self._observe_step)
             logger.info("event=worker_loaded worker=%s num_blocks=%d compiled=%s",
                         self.config.worker_id, num_blocks, self.worker.model_runner.compiled_pieces)
-            async with aio_channel(self.config.scheduler_address, self.config.tls,
-                                   CHANNEL_OPTIONS) as channel:
-                await self._serve(scheduler_pb2_grpc.EngineCoreStub(channel))
+            await self._serve()
         except Exception as e:
             logger.error("event=worker_failed worker=%s error=%r", self.config.worker_id, e)
             raise
         finally:
             self._stop_waiter.cancel()
+            await self._channels.close()
             if self.pipeline is not None:
                 await asyncio.to_thread(self.pipeline.close)
             if health_server is not None:
@@ -161,30 +186,109 @@ class WorkerService:
 
     # ------------------------------------------------------------ scheduler
 
-    async def _serve(self, stub: scheduler_pb2_grpc.EngineCoreStub) -> None:
-        """Registers and serves steps; dials again whenever the scheduler goes away."""
+    async def _serve(self) -> None:
+        """Registers and serves steps; dials again whenever the scheduler goes away.
+
+        A lost scheduler is dialed again (with backoff) until the worker has
+        gone ``rejoin_grace_s`` without registering there; then it chooses
+        again (with one target: that one). A rebalance moves it directly.
+        """
         backoff_s = _MIN_BACKOFF_S
-        while not self._stop.is_set():
-            registered = await self._session(stub)
-            if registered is None:
-                return  # drained or stopped
-            await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-            await self._forget_requests()
-            backoff_s = _MIN_BACKOFF_S if registered else min(backoff_s * 2, _MAX_BACKOFF_S)
-            try:
+        try:
+            target, num_targets = await self._choose_target()
+            unregistered_since = time.monotonic()
+            while True:
+                rejoin_deadline = (unregistered_since + self.config.rejoin_grace_s
+                                   if num_targets > 1 else None)
+                ended = await self._session(target, rejoin_deadline)
+                if ended is None:
+                    return  # drained or stopped
+                await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+                await self._forget_requests()
+                if isinstance(ended, SchedulerTarget):  # rebalanced: join at once
+                    target, backoff_s = ended, _MIN_BACKOFF_S
+                    unregistered_since = time.monotonic()
+                    continue
+                if ended:
+                    unregistered_since = time.monotonic()
+                backoff_s = _MIN_BACKOFF_S if ended else min(backoff_s * 2, _MAX_BACKOFF_S)
                 await self._until_stopped(asyncio.sleep(backoff_s))
-            except _Stopped:
-                return
+                if time.monotonic() >= unregistered_since + self.config.rejoin_grace_s:
+                    target, num_targets = await self._choose_target()
+                    unregistered_since = time.monotonic()
+        except _Stopped:
+            return
 
-    async def _session(self, stub: scheduler_pb2_grpc.EngineCoreStub) -> bool | None:
-        """One WorkerStream. None: leave for good (Drain or stop); else whether it had registered.
+    async def _choose_target(self) -> tuple[SchedulerTarget, int]:
+        """The scheduler to join and the number of targets there are now.
 
-        Steps go to the pipeline as they arrive (with asynchronous scheduling
-        the next one comes while this one computes, and is prepared
-        meanwhile); a writer task sends their outputs back in order.
+        One target is returned as it is. Of several, the live cell with the
+        fewest workers (``cell_choice.choose_cell``); while none answers it
+        asks again, up to ``connect_timeout_s`` (then TimeoutError).
+        """
+        timeout_s = self.config.connect_timeout_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            targets = await self._until_stopped(self._resolve())
+            if len(targets) == 1:
+                return targets[0], 1
+            metadata = secret_metadata(self.config.cluster_secret)
+            stats = await self._until_stopped(probe_cells(self._channels, targets, metadata))
+            address = choose_cell(self.config.worker_id, num_workers_of(targets, stats))
+            if address is not None:
+                return next(t for t in targets if t.address == address), len(targets)
+            addresses = ",".join(t.address for t in targets)
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"no scheduler of {addresses} answered within "
+                                   f"connect_timeout_s={timeout_s}")
+            logger.warning("event=no_live_cell worker=%s schedulers=%s", self.config.worker_id,
+                           addresses)
+            await self._until_stopped(asyncio.sleep(_MIN_BACKOFF_S))
+
+    async def _resolve(self, keep: SchedulerTarget | None = None) -> list[SchedulerTarget]:
+        """The scheduler targets now (DNS runs on a thread); closes the channels
+        to targets gone from the list, except ``keep``'s."""
+        targets = await asyncio.to_thread(resolve_scheduler_targets, self._scheduler_addresses)
+        await self._channels.retain([*targets, *((keep,) if keep is not None else ())])
+        return targets
+
+    async def _next_move(self, current: SchedulerTarget) -> SchedulerTarget:
+        """Returns the cell to move to once a rebalance check says so (never with one target).
+
+        Checks every ``rebalance_interval_s``, jittered by +-50% so that workers
+        do not check together; the rule is ``cell_choice.rebalance_target``,
+        and a worker holding a request never moves.
+        """
+        while True:
+            await asyncio.sleep(self.config.rebalance_interval_s * random.uniform(0.5, 1.5))
+            targets = await self._resolve(keep=current)
+            if len(targets) < 2:
+                continue
+            stats = await probe_cells(self._channels, targets,
+                                      secret_metadata(self.config.cluster_secret))
+            if current.address not in stats:
+                continue
+            address = rebalance_target(self.config.worker_id, current.address,
+                                       num_workers_of(targets, stats),
+                                       idle_workers_of(stats[current.address]))
+            runner = self.worker.model_runner
+            if address is not None and not (runner is not None and runner.requests):
+                return next(t for t in targets if t.address == address)
+
+    async def _session(self, target: SchedulerTarget,
+                       rejoin_deadline: float | None) -> bool | SchedulerTarget | None:
+        """One WorkerStream to ``target``. None: leave for good (Drain or stop); a
+        target: rebalanced, join that one; else whether it had registered.
+
+        With a ``rejoin_deadline`` (several targets), a registration still
+        unanswered then ends the session as not registered. Steps go to the
+        pipeline as they arrive (with asynchronous scheduling the next one
+        comes while this one computes, and is prepared meanwhile); a writer
+        task sends their outputs back in order.
         """
         metadata = ((KV_CACHE_ID_METADATA_KEY, self.kv_cache_id),
                     *secret_metadata(self.config.cluster_secret))
+        stub = scheduler_pb2_grpc.EngineCoreStub(self._channels.get(target))
         call = stub.WorkerStream(metadata=metadata, wait_for_ready=True)
         assert self._stop_waiter is not None and self.pipeline is not None, "only inside run()"
         # Cancelling a pending read would cancel the whole call, so on stop()
@@ -192,16 +296,21 @@ class WorkerService:
         pending_read: asyncio.Future | None = None
         outputs: asyncio.Queue[asyncio.Future[ModelRunnerOutput] | None] = asyncio.Queue()
         writer: asyncio.Future[None] | None = None
+        move: asyncio.Future[SchedulerTarget] | None = None
         registered = False
         try:
-            await self._until_stopped(self._register(call), self.config.connect_timeout_s)
+            if not await self._register_within(call, target, rejoin_deadline):
+                return False
             registered = True
             writer = asyncio.ensure_future(_write_outputs(call, outputs))
+            if self.config.rebalance_interval_s > 0:
+                move = asyncio.ensure_future(self._next_move(target))
             await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
             while True:
                 if pending_read is None:
                     pending_read = asyncio.ensure_future(_read_step(call))
-                await asyncio.wait((pending_read, self._stop_waiter, writer),
+                await asyncio.wait((pending_read, self._stop_waiter, writer,
+                                    *((move,) if move is not None else ())),
                                    return_when=asyncio.FIRST_COMPLETED)
                 if writer.done():
                     writer.result()  # raises what ended it
@@ -210,25 +319,36 @@ class WorkerService:
                     # without the next one even when it is already here.
                     await _finish_writing(outputs, writer)
                     return None
+                if move is not None and move.done():
+                    await _finish_writing(outputs, writer)  # then leave as stop() does
+                    logger.info("event=worker_rebalanced worker=%s from=%s to=%s",
+                                self.config.worker_id, target.address, move.result().address)
+                    return move.result()
                 scheduler_output, pending_read = pending_read.result(), None
                 if scheduler_output is None:
                     await _finish_writing(outputs, writer)
-                    logger.info("event=worker_drained worker=%s", self.config.worker_id)
+                    logger.info("event=worker_drained worker=%s scheduler=%s",
+                                self.config.worker_id, target.address)
                     return None
                 self.dirty_blocks.record(scheduler_output)
                 outputs.put_nowait(asyncio.wrap_future(self.pipeline.submit(scheduler_output)))
         except _Stopped:
             return None
         except _SchedulerLost as e:
-            logger.warning("event=scheduler_lost worker=%s reason=%r", self.config.worker_id, str(e))
+            logger.warning("event=scheduler_lost worker=%s scheduler=%s reason=%r",
+                           self.config.worker_id, target.address, str(e))
             return registered
         except grpc.aio.AioRpcError as e:
             if e.code() not in _RETRYABLE_CODES:
                 raise
-            logger.warning("event=scheduler_lost worker=%s status=%s details=%r",
-                           self.config.worker_id, e.code().name, e.details())
+            logger.warning("event=scheduler_lost worker=%s scheduler=%s status=%s details=%r",
+                           self.config.worker_id, target.address, e.code().name, e.details())
             return registered
         finally:
+            if move is not None and not move.done():
+                move.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await move
             if writer is not None and not writer.done():
                 # The session ended early: its outputs go nowhere. The pipeline
                 # still runs its steps, before any step submitted later.
@@ -240,7 +360,29 @@ class WorkerService:
             else:  # never got through: nothing to close cleanly
                 call.cancel()
 
-    async def _register(self, call: grpc.aio.StreamStreamCall) -> None:
+    async def _register_within(self, call: grpc.aio.StreamStreamCall, target: SchedulerTarget,
+                               rejoin_deadline: float | None) -> bool:
+        """Registers over ``call``; False when ``rejoin_deadline`` passed first.
+
+        TimeoutError past ``connect_timeout_s``; _Stopped on stop().
+        """
+        timeout_s = self.config.connect_timeout_s
+        grace_s = (None if rejoin_deadline is None
+                   else max(rejoin_deadline - time.monotonic(), _MIN_REGISTER_WAIT_S))
+        register = self._register(call, target)
+        if grace_s is None or (timeout_s is not None and timeout_s <= grace_s):
+            await self._until_stopped(register, timeout_s, target.address)
+            return True
+        try:
+            await self._until_stopped(register, grace_s, target.address)
+        except TimeoutError:
+            logger.warning("event=scheduler_unanswered worker=%s scheduler=%s "
+                           "rejoin_grace_s=%s", self.config.worker_id, target.address,
+                           self.config.rejoin_grace_s)
+            return False
+        return True
+
+    async def _register(self, call: grpc.aio.StreamStreamCall, target: SchedulerTarget) -> None:
         registration = dataclasses.replace(self.worker.registration_info(self.config.worker_id),
                                            dirty_block_ids=self.dirty_blocks.dirty_block_ids())
         await call.write(registration_message(registration))
@@ -250,10 +392,12 @@ class WorkerService:
         self.engine_index = registration_ack_from_proto(ack)
         self.dirty_blocks.start_registration()
         logger.info("event=worker_registered worker=%s scheduler=%s engine_index=%d",
-                    self.config.worker_id, self.config.scheduler_address, self.engine_index)
+                    self.config.worker_id, target.address, self.engine_index)
 
-    async def _until_stopped(self, awaitable: Awaitable[T], timeout_s: float | None = None) -> T:
-        """Awaits ``awaitable`` unless stop() comes first (then raises _Stopped)."""
+    async def _until_stopped(self, awaitable: Awaitable[T], timeout_s: float | None = None,
+                             address: str = "") -> T:
+        """Awaits ``awaitable`` unless stop() comes first (then raises _Stopped);
+        TimeoutError naming the scheduler at ``address`` after ``timeout_s``."""
         assert self._stop_waiter is not None, "only inside run()"
         task = asyncio.ensure_future(awaitable)
         done, _ = await asyncio.wait((task, self._stop_waiter), timeout=timeout_s,
@@ -263,7 +407,7 @@ class WorkerService:
         task.cancel()
         if self._stop_waiter in done:
             raise _Stopped
-        raise TimeoutError(f"scheduler at {self.config.scheduler_address} did not answer "
+        raise TimeoutError(f"scheduler at {address} did not answer "
                            f"within connect_timeout_s={timeout_s}")
 
     async def _forget_requests(self) -> None:
@@ -359,9 +503,12 @@ def _speculative_config(text: str) -> SpeculativeConfig:
 
 def parse_args(argv: list[str] | None = None) -> tuple[WorkerServiceConfig, argparse.Namespace]:
     d = WorkerConfig()
+    service_defaults = WorkerServiceConfig(worker_id="-", worker=d)
     p = argparse.ArgumentParser(prog="python -m services.worker.server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scheduler-address", default="127.0.0.1:50052")
+    p.add_argument("--scheduler-address", default=service_defaults.scheduler_address,
+                   help="HOST:PORT[,HOST:PORT...] or a DNS name with one address per "
+                        "scheduler (cell); default: %(default)s")
     p.add_argument("--worker-id", default=None, help="default: hostname-pid")
     p.add_argument("--health-host", default="127.0.0.1")
     p.add_argument("--health-port", type=int, default=None, help="0 picks a free port")
@@ -369,6 +516,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerServiceConfig, argp
                    help="serve Prometheus /metrics on --health-host at this port "
                         "(0: a free one; default: off)")
     p.add_argument("--connect-timeout-s", type=float, default=None, help="default: wait forever")
+    p.add_argument("--rejoin-grace-s", type=float, default=service_defaults.rejoin_grace_s,
+                   help="with several schedulers: how long a lost one is dialed again before "
+                        "joining another cell (default: %(default)s)")
+    p.add_argument("--rebalance-interval-s", type=float,
+                   default=service_defaults.rebalance_interval_s,
+                   help="with several schedulers: how often (+-50%%) an idle worker checks "
+                        "whether to move to a cell with 2 fewer workers; 0: never "
+                        "(default: %(default)s)")
     p.add_argument("--model", default=d.model, help="HF directory or .gguf; default SmolLM2")
     p.add_argument("--dtype", default=d.dtype,
                    help="auto (default: bfloat16 on a CPU with AVX512-BF16 or AMX, else float32; "
@@ -453,6 +608,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerServiceConfig, argp
         health_port=args.health_port,
         metrics_port=args.metrics_port,
         connect_timeout_s=args.connect_timeout_s,
+        rejoin_grace_s=args.rejoin_grace_s,
+        rebalance_interval_s=args.rebalance_interval_s,
         tls=tls_from_args(args),
         cluster_secret=read_cluster_secret(args.cluster_secret_file),
     )
