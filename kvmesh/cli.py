@@ -1,15 +1,23 @@
 """The ``kvmesh`` command: run a local cluster, and talk to a running one.
 
-    kvmesh up [--model M] [--workers N] [--port P] [--http-port P] [--redis-url URL] [--demo]
+    kvmesh up [--model M] [--schedulers N] [--workers M] [--frontends K] [--port P]
+              [--http-port P] [--redis-url URL] [--demo]
     kvmesh generate "Once upon a time" [--address A] [--max-tokens N] [--temperature T]
     kvmesh chat [--address A] [--message "Hi!"] [--system "..."]
 
-``up`` starts Redis (an embedded valkey-server unless ``--redis-url``), the
-scheduler, the workers and a frontend as child processes on loopback, prints
-one line per service as it becomes ready, then the addresses to use (gRPC,
-the OpenAI-compatible HTTP API, the dashboard, every /metrics), restarts any
-child that dies, and stops them all on Ctrl-C, SIGTERM or SIGHUP, or when its
-output is closed; if it is killed outright, the children stop on their own.
+``up`` starts Redis (an embedded valkey-server with a password made for the
+run, unless ``--redis-url`` or $KVMESH_REDIS_URL names one, ``rediss://`` and
+credentials allowed), then ``--schedulers`` schedulers, each one cell
+(``cell-0``, ``cell-1``, ...), ``--workers`` workers spread round-robin over
+the cells (so at least one each), and ``--frontends`` frontends that know
+every scheduler and route between the cells, all as child processes on
+loopback. The Redis URL and the cluster secret reach the children through
+their environment, never their command line. It prints one line per service
+as it becomes ready (each scheduler, each worker; Redis with its password
+hidden), then the addresses to use (gRPC, the OpenAI-compatible HTTP API, the
+dashboard, every /metrics), restarts any child that dies, and stops them all
+on Ctrl-C, SIGTERM or SIGHUP, or when its output is closed; if it is killed
+outright, the children stop on their own.
 The children log to files in a directory it names (``--log-dir``); ``-v`` or
 ``--log-level`` shows their logs here instead.
 """
@@ -70,8 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser("up", help="start a local cluster and serve until Ctrl-C")
     up.add_argument("--model", default=None, help="HF model dir or .gguf (default: SmolLM2)")
-    up.add_argument("--workers", type=int, default=1)
-    up.add_argument("--frontends", type=int, default=1)
+    up.add_argument("--schedulers", type=int, default=1, metavar="N",
+                    help="cells: schedulers, each with its share of the workers (default: 1)")
+    up.add_argument("--workers", type=int, default=1, metavar="M",
+                    help="spread round-robin over the cells; at least N (default: 1)")
+    up.add_argument("--frontends", type=int, default=1, metavar="K",
+                    help="each knows every scheduler and routes between the cells (default: 1)")
     up.add_argument("--port", type=int, default=50051, help="frontend port (0: a free one)")
     up.add_argument("--http-port", type=int, default=8000,
                     help="the frontend's HTTP API, /metrics and /dashboard (0: a free one)")
@@ -80,7 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="require API keys on the public APIs (see the README)")
     up.add_argument("--admin-api-key", action="append", default=None, metavar="KEY[,KEY...]",
                     help="keys for GetStats, /stats and /metrics")
-    up.add_argument("--redis-url", default=None, help="default: an embedded valkey-server")
+    up.add_argument("--redis-url", default=None,
+                    help="redis[s]://[[USER]:PASSWORD@]HOST:PORT/DB, handed to the services "
+                         "through their environment, never their command line (default: "
+                         "$KVMESH_REDIS_URL, which keeps a password out of `ps` here too; "
+                         "else an embedded valkey-server with a password made for the run)")
     up.add_argument("--max-model-len", type=int, default=None)
     up.add_argument("--device", default=None, help="workers' device: cpu (default) or cuda")
     up.add_argument("--simulate", action="store_true",
@@ -115,8 +131,21 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------- up
 
 
+def _up_args_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``up``'s counts of services, naming the flag; None if nothing."""
+    if args.schedulers < 1:
+        return f"--schedulers is {args.schedulers}, must be >= 1"
+    if args.workers < args.schedulers:
+        return (f"--workers is {args.workers}, must be >= --schedulers ({args.schedulers}): "
+                "each cell needs a worker")
+    if args.frontends < 1:
+        return f"--frontends is {args.frontends}, must be >= 1"
+    return None
+
+
 def _up_config(args: argparse.Namespace) -> ClusterConfig:
     from kvmesh.cluster import ClusterConfig
+    from services.common.security import read_redis_url
 
     log_dir = args.log_dir
     if log_dir is None and not (args.verbose or args.log_level):
@@ -124,9 +153,11 @@ def _up_config(args: argparse.Namespace) -> ClusterConfig:
     frontend_args = [f"--api-key={key}" for key in args.api_key or ()]
     frontend_args += [f"--admin-api-key={key}" for key in args.admin_api_key or ()]
     return ClusterConfig(
-        model=args.model, num_workers=args.workers, num_frontends=args.frontends,
+        model=args.model, num_schedulers=args.schedulers, num_workers=args.workers,
+        num_frontends=args.frontends,
         frontend_port=args.port, frontend_http_port=None if args.no_http else args.http_port,
-        redis_url=args.redis_url, max_model_len=args.max_model_len, log_dir=log_dir,
+        redis_url=read_redis_url(args.redis_url), max_model_len=args.max_model_len,
+        log_dir=log_dir,
         log_level=args.log_level, frontend_args=frontend_args,
         worker_args=(["--device", args.device] if args.device else [])
         + (["--simulate"] if args.simulate else [])
@@ -154,6 +185,9 @@ def _print_addresses(cluster: LocalCluster) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     from kvmesh.cluster import LocalCluster
 
+    if error := _up_args_error(args):
+        print(f"kvmesh up: error: {error}", file=sys.stderr)
+        return 2
     config = _up_config(args)
     cluster = LocalCluster(config, on_ready=_print_ready)
     # SIGTERM and SIGHUP (the terminal closed) leave the same way as Ctrl-C:
@@ -166,8 +200,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         if config.log_dir is not None:
             hint = " (-v to show them here)" if args.log_dir is None else ""
             logs = f"logs in {config.log_dir}{hint}"
-        print(f"kvmesh: starting {args.workers} worker(s) on model "
-              f"{args.model or 'SmolLM2-135M-Instruct'}; {logs}", flush=True)
+        print(f"kvmesh: starting {args.schedulers} scheduler(s), {args.workers} worker(s) and "
+              f"{args.frontends} frontend(s) on model {args.model or 'SmolLM2-135M-Instruct'}; "
+              f"{logs}", flush=True)
         cluster.start()
         _print_addresses(cluster)
         if args.demo:

