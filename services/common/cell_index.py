@@ -31,8 +31,8 @@ def cell_key(model: str, cell_id: str, name: str) -> str:
 class CellRecord:
     """A cell's published state (the ``record`` hash, every value a decimal string).
 
-    ``load_tokens``: KV blocks in use times the block size plus the tokens of
-    waiting requests, summed over the cell's workers. ``updated_ms``: the
+    ``prefill_tokens``: prompt tokens of the cell's requests not computed yet;
+    ``num_waiting`` and ``num_running``: its requests. ``updated_ms``: the
     owner's wall clock at the write, so readers see a fresh summary.
     ``block_size``: what the cell's prefix entries are hashed with.
     """
@@ -40,7 +40,7 @@ class CellRecord:
     generation: int = 0
     block_size: int = 0
     num_workers: int = 0
-    load_tokens: int = 0
+    prefill_tokens: int = 0
     num_waiting: int = 0
     num_running: int = 0
     updated_ms: int = 0

@@ -2,16 +2,19 @@
 
 For each live cell (its stream up, at least one worker) the frontend knows
 how many of the request's prompt tokens the cell's prefix cache holds
-(``hit_tokens``, from the Redis index; 0 without it) and what new work waits
-for there (``load_tokens``: the cell's published load plus the prompt tokens
-this frontend sent it since). As NVIDIA Dynamo's KV router does, it sends the
-request to the cell of least
+(``hit_tokens``, from the Redis index; 0 without it) and the cell's load in
+tokens (``cell_load_tokens``): the prompt tokens it has yet to compute plus
+``request_weight`` tokens for each request it holds (a running request costs
+every step; 32, as the scheduler weighs requests against prefix hits between
+the workers of one cell), with what this frontend sent it since the cell
+last published. As NVIDIA Dynamo's KV router does, it sends the request to
+the cell of least
 
     cost = prefill_weight * (num_prompt_tokens - hit_tokens) + load_tokens / num_workers
 
-the tokens the cell would prefill for it, plus the tokens already waiting on
-each of its workers. Ties go to the lower ``load_tokens``, then to the first
-cell in the frontend's list, so the choice is deterministic.
+the tokens the cell would prefill for it, plus the work already on each of
+its workers. Ties go to the lower ``load_tokens``, then to the first cell in
+the frontend's list, so the choice is deterministic.
 """
 
 from __future__ import annotations
@@ -28,6 +31,15 @@ class RouteReason(str, Enum):
     LOAD = "load"          # no cell holds any of it: the least loaded one
     FALLBACK = "fallback"  # the Redis index could not be read: load only
     RESUBMIT = "resubmit"  # its cell died; sent again with the tokens it had
+
+
+DEFAULT_REQUEST_WEIGHT = 32.0
+
+
+def cell_load_tokens(prefill_tokens: int, num_requests: int,
+                     request_weight: float = DEFAULT_REQUEST_WEIGHT) -> float:
+    """A cell's load in tokens: its prefill backlog plus ``request_weight`` per request."""
+    return prefill_tokens + request_weight * num_requests
 
 
 @dataclass(frozen=True, slots=True)

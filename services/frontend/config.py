@@ -30,7 +30,8 @@ class FrontendServiceConfig:
     ``scheduler_address`` is ``HOST:PORT[,HOST:PORT...]``, one per scheduler
     (cell), or a DNS name resolving to several. ``redis_url`` reads the
     cells' prefix index to route requests (None: by load only), weighing a
-    prompt token to prefill by ``router_prefill_weight``. A lost cell's
+    prompt token to prefill by ``router_prefill_weight`` and each request a
+    cell holds as ``router_request_weight`` tokens (cell_routing.py). A lost cell's
     requests wait ``cell_grace_s`` for it before another cell takes them;
     requests wait at most ``resubmit_grace_s`` for any cell (engine_cells.py).
     ``request_limits`` bound each request before it is tokenized.
@@ -57,6 +58,7 @@ class FrontendServiceConfig:
     resubmit_grace_s: float = 30.0
     redis_url: str | None = None
     router_prefill_weight: float = 1.0
+    router_request_weight: float = 32.0
     cell_grace_s: float = 1.0
     request_limits: RequestLimits = field(default_factory=RequestLimits)
     logits_processors: list[str] = field(default_factory=list)
@@ -77,7 +79,8 @@ class FrontendServiceConfig:
             raise ValueError(f"max_logprobs is {self.max_logprobs}, must be >= 0")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval is {self.stream_interval}, must be >= 1")
-        for name in ("resubmit_grace_s", "cell_grace_s", "router_prefill_weight"):
+        for name in ("resubmit_grace_s", "cell_grace_s", "router_prefill_weight",
+                     "router_request_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} is {getattr(self, name)}, must be >= 0")
         parse_scheduler_addresses(self.scheduler_address)  # ValueError naming the bad one

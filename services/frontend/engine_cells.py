@@ -36,7 +36,13 @@ from kvmesh.v1 import api_pb2
 from services.common.engine import EngineCoreOutputs, EngineCoreRequest
 from services.common.scheduler_addresses import SchedulerTarget, resolve_scheduler_targets
 from services.common.security import TlsConfig
-from services.frontend.cell_routing import CellCandidate, RouteReason, choose_cell
+from services.frontend.cell_routing import (
+    DEFAULT_REQUEST_WEIGHT,
+    CellCandidate,
+    RouteReason,
+    cell_load_tokens,
+    choose_cell,
+)
 from services.frontend.engine_core_client import EngineCoreClient, EngineUnavailableError
 from services.frontend.prefix_index import PrefixIndexReader, prompt_block_hashes
 
@@ -62,9 +68,12 @@ class Cell:
     generation: int = 0
     num_workers: int = 0
     block_size: int = 0
-    load_tokens: int = 0
+    prefill_tokens: int = 0  # its prompt tokens not computed yet
+    num_requests: int = 0  # running and waiting
     load_updated_ms: int = 0  # the Redis record's, when load came from there
-    pending_tokens: int = 0  # prompt tokens sent here since load was read
+    # Sent here since the load was read: uncached prompt tokens, requests.
+    pending_tokens: int = 0
+    pending_requests: int = 0
     lost_at: float | None = None  # when its stream broke (monotonic); None while up
     request_ids: set[str] = field(default_factory=set)
     routed: Counter[str] = field(default_factory=Counter)  # by RouteReason value
@@ -78,9 +87,22 @@ class Cell:
         """Its stream is up and it has a worker (as of the last GetStats)."""
         return self.client.connected and self.num_workers > 0
 
-    def candidate(self, hit_tokens: int = 0) -> CellCandidate:
-        return CellCandidate(self.name, self.num_workers,
-                             self.load_tokens + self.pending_tokens, hit_tokens)
+    def load_tokens(self, request_weight: float) -> float:
+        return cell_load_tokens(self.prefill_tokens + self.pending_tokens,
+                                self.num_requests + self.pending_requests, request_weight)
+
+    def candidate(self, request_weight: float, hit_tokens: int = 0) -> CellCandidate:
+        return CellCandidate(self.name, self.num_workers, self.load_tokens(request_weight),
+                             hit_tokens)
+
+    def set_load(self, prefill_tokens: int, num_requests: int) -> None:
+        """A fresh reading of the cell's load: what was pending is in it now."""
+        self.prefill_tokens, self.num_requests = prefill_tokens, num_requests
+        self.pending_tokens = self.pending_requests = 0
+
+    def add_pending(self, uncached_tokens: int) -> None:
+        self.pending_tokens += uncached_tokens
+        self.pending_requests += 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,18 +121,21 @@ class EngineCells:
     that found no cell within the grace; ``current_request`` gives a
     request's state to resend (None: it is gone). ``on_change`` runs when a
     stream goes up or down (the frontend's health loop then refreshes).
-    ``prefill_weight`` weighs uncached prompt tokens against load.
+    ``prefill_weight`` weighs uncached prompt tokens against load, in which
+    each request counts ``request_weight`` tokens (cell_routing.py).
     """
 
     def __init__(self, addresses: list[str], model: str, on_outputs: OutputsCallback,
                  on_lost: LostCallback, current_request: CurrentRequest, *,
                  tls: TlsConfig | None = None, cluster_secret: str | None = None,
                  redis_url: str | None = None, prefill_weight: float = 1.0,
+                 request_weight: float = DEFAULT_REQUEST_WEIGHT,
                  cell_grace_s: float = 1.0, resubmit_grace_s: float = 30.0,
                  on_change: Callable[[], None] | None = None) -> None:
         self.addresses = addresses
         self.model = model
         self.prefill_weight = prefill_weight
+        self.request_weight = request_weight
         self.cell_grace_s = cell_grace_s
         self.resubmit_grace_s = resubmit_grace_s
         self.index = None if redis_url is None else PrefixIndexReader(redis_url)
@@ -124,17 +149,14 @@ class EngineCells:
         self._tls = tls
         self._cluster_secret = cluster_secret
         self._resolved_at = 0.0
-        self._started = False
 
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         """Resolves the addresses and starts one stream per cell (returns at once)."""
-        self._started = True
         await self._resolve()
 
     async def close(self) -> None:
-        self._started = False
         await asyncio.gather(*(cell.client.close() for cell in self.cells.values()))
         if self.index is not None:
             await self.index.close()
@@ -234,10 +256,11 @@ class EngineCells:
         num_tokens = _num_tokens(request)
         hits = await self._lookup_hits(request, ready) if len(ready) > 1 else {}
         found = hits or {}
-        candidates = [cell.candidate(found.get(cell.name, 0)) for cell in ready]
+        candidates = [cell.candidate(self.request_weight, found.get(cell.name, 0))
+                      for cell in ready]
         chosen = ready[choose_cell(candidates, num_tokens, self.prefill_weight)]
         hit_tokens = found.get(chosen.name, 0)
-        chosen.pending_tokens += num_tokens - hit_tokens
+        chosen.add_pending(num_tokens - hit_tokens)
         if hits is None:
             reason = RouteReason.FALLBACK
         else:
@@ -272,8 +295,8 @@ class EngineCells:
                 continue
             record = found.record
             if record.updated_ms != cell.load_updated_ms:
-                cell.load_tokens, cell.load_updated_ms = record.load_tokens, record.updated_ms
-                cell.pending_tokens = 0
+                cell.load_updated_ms = record.updated_ms
+                cell.set_load(record.prefill_tokens, record.num_running + record.num_waiting)
             hits[cell.name] = found.num_hit_blocks * cell.block_size
         return hits
 
@@ -326,7 +349,8 @@ class EngineCells:
         cell.generation = stats.cell_generation
         cell.num_workers = len(stats.workers)
         cell.block_size = stats.block_size
-        cell.load_tokens, cell.pending_tokens = stats.load_tokens, 0
+        cell.set_load(stats.prefill_tokens,
+                      sum(w.num_running_reqs + w.num_waiting_reqs for w in stats.workers))
 
     def place_orphans(self) -> None:
         """Sends each orphan home if its cell serves again, else, past the cell's
@@ -343,14 +367,14 @@ class EngineCells:
             if home is not None and home.ready:
                 target = home
             elif ready and (home is None or now - orphan.since >= self.cell_grace_s):
-                target = ready[choose_cell([c.candidate() for c in ready], _num_tokens(request),
-                                           self.prefill_weight)]
+                candidates = [c.candidate(self.request_weight) for c in ready]
+                target = ready[choose_cell(candidates, _num_tokens(request), self.prefill_weight)]
             else:
                 if now - orphan.since >= self.resubmit_grace_s:
                     expired.append(request_id)
                 continue
             del self.orphans[request_id]
-            target.pending_tokens += _num_tokens(request)
+            target.add_pending(_num_tokens(request))
             self._send(target, request, RouteReason.RESUBMIT)
             logger.info("event=request_resubmitted request_id=%s cell=%s num_output_tokens=%d",
                         request_id, target.name, len(request.output_token_ids))
@@ -388,7 +412,8 @@ class EngineCells:
             merged.cells.append(api_pb2.CellStats(
                 cell_id=cell.cell_id, address=cell.target.address,
                 connected=cell.client.connected, generation=cell.generation,
-                num_workers=cell.num_workers, load_tokens=cell.load_tokens + cell.pending_tokens,
+                num_workers=cell.num_workers,
+                load_tokens=round(cell.load_tokens(self.request_weight)),
                 routed_requests=dict(cell.routed)))
         return merged
 

@@ -246,7 +246,8 @@ class FrontendServer:
             parse_scheduler_addresses(config.scheduler_address), model_info.name,
             engine.handle_outputs, engine.handle_lost, engine.current_request,
             tls=config.tls, cluster_secret=config.cluster_secret, redis_url=config.redis_url,
-            prefill_weight=config.router_prefill_weight, cell_grace_s=config.cell_grace_s,
+            prefill_weight=config.router_prefill_weight,
+            request_weight=config.router_request_weight, cell_grace_s=config.cell_grace_s,
             resubmit_grace_s=config.resubmit_grace_s, on_change=self._health_poke.set)
         engine.attach(self.engine_core)
         if engine.stat_logger is not None:
@@ -328,6 +329,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[FrontendServiceConfig, st
     p.add_argument("--router-prefill-weight", type=float, default=1.0,
                    help="weight of a prompt token a cell would prefill against one token "
                         "of its load (see services/frontend/cell_routing.py)")
+    p.add_argument("--router-request-weight", type=float, default=32.0,
+                   help="tokens of load each request a cell holds counts for")
     p.add_argument("--cell-grace-s", type=float, default=1.0,
                    help="how long a lost cell's requests wait for it before another cell "
                         "takes them")
@@ -365,7 +368,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[FrontendServiceConfig, st
         model=args.model, max_model_len=args.max_model_len, max_logprobs=args.max_logprobs,
         stream_interval=args.stream_interval, resubmit_grace_s=args.resubmit_grace_s,
         redis_url=read_redis_url(args.redis_url),
-        router_prefill_weight=args.router_prefill_weight, cell_grace_s=args.cell_grace_s,
+        router_prefill_weight=args.router_prefill_weight,
+        router_request_weight=args.router_request_weight, cell_grace_s=args.cell_grace_s,
         request_limits=RequestLimits.from_cli_args(args),
         logits_processors=args.logits_processors,
         chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,

@@ -105,8 +105,8 @@ class _CellCollector:
     def collect(self) -> Iterator[Metric]:
         labels = ["model_name", "cell"]
         load = GaugeMetricFamily("kvmesh:cell_load_tokens",
-                                 "Tokens of work waiting in the cell (its published load "
-                                 "plus prompts this frontend sent it since).", labels=labels)
+                                 "The cell's load as routing weighs it: prompt tokens to "
+                                 "compute plus a weight per request.", labels=labels)
         workers = GaugeMetricFamily("kvmesh:cell_num_workers",
                                     "Workers registered in the cell.", labels=labels)
         up = GaugeMetricFamily("kvmesh:cell_connected",
@@ -117,7 +117,7 @@ class _CellCollector:
                                      labels=[*labels, "reason"])
         for cell in list(self._cells.cells.values()):
             key = [self._model_name, cell.name]
-            load.add_metric(key, cell.load_tokens + cell.pending_tokens)
+            load.add_metric(key, cell.load_tokens(self._cells.request_weight))
             workers.add_metric(key, cell.num_workers)
             up.add_metric(key, 1.0 if cell.client.connected else 0.0)
             for reason, count in cell.routed.items():

@@ -148,7 +148,7 @@ class SchedulerServiceConfig:
     the probability that the process exits (code 70) when a worker's answer
     arrives, after the worker computed the step and before it is applied.
     ``cell_id`` names this scheduler's cell, stable across its restarts (""
-    means its listening address); with a ``redis_url`` the cell is published
+    means its listening address, with the host name for a wildcard host); with a ``redis_url`` the cell is published
     for frontends to route by, under a lease of ``cell_lease_ttl_s``.
     """
 

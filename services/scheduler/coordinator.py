@@ -212,6 +212,7 @@ class Coordinator:
             except ValueError as e:
                 self._refuse(client, req_id, grpc.StatusCode.INVALID_ARGUMENT, str(e))
                 return
+            request.num_placed_hit_tokens = hit_tokens
             self.placements[req_id] = Placement(session, client, num_failovers)
             client.request_ids.add(req_id)
             reason = "fallback" if full else "prefix_hit" if hit_tokens else "least_loaded"
@@ -390,25 +391,21 @@ class Coordinator:
         return 0 if self.cell_publisher is None else self.cell_publisher.generation
 
     def cell_record(self) -> CellRecord:
-        """The cell's load summary: what new work would wait for here.
-
-        ``load_tokens`` sums, over the workers, the KV blocks in use times the
-        block size and the tokens of waiting requests (not yet in blocks).
-        """
+        """The cell's load summary: its requests, and their prompt tokens not computed
+        yet (for a waiting request, less the prefix hit it was placed for)."""
         record = CellRecord(generation=self.cell_generation,
                             block_size=self.cell_index.block_size,
                             num_workers=0 if self.draining else len(self.sessions),
                             updated_ms=int(time.time() * 1000))
         for session in self.sessions.values():
             scheduler = session.scheduler
-            config = scheduler.config
-            free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-            record.load_tokens += (config.num_usable_blocks - free) * config.block_size
-            record.load_tokens += sum(r.num_tokens for r in scheduler.waiting)
+            for request in (*scheduler.waiting, *scheduler.running):
+                done = max(request.num_computed_tokens, request.num_placed_hit_tokens)
+                record.prefill_tokens += max(request.num_prompt_tokens - done, 0)
             record.num_waiting += len(scheduler.waiting)
             record.num_running += len(scheduler.running)
             if record.block_size == 0:
-                record.block_size = config.block_size
+                record.block_size = scheduler.config.block_size
         return record
 
     # ------------------------------------------------------------ stats

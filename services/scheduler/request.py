@@ -65,7 +65,7 @@ class Request:
         "request_id", "client_index", "priority", "arrival_time", "sampling_params",
         "eos_token_id", "cache_salt", "prompt_token_ids", "output_token_ids",
         "all_token_ids", "num_computed_tokens", "num_output_placeholders", "num_cached_tokens",
-        "num_preemptions",
+        "num_placed_hit_tokens", "num_preemptions",
         "status", "stop_reason", "finish_message", "status_code", "block_hashes", "max_tokens",
         "queued_time", "scheduled_time", "first_token_time", "_block_hasher",
     )
@@ -98,6 +98,9 @@ class Request:
         # scheduling): already computed as positions, not yet known as ids.
         self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # set the first time the request is scheduled
+        # The prefix hit its worker's cache offered when it was placed: what it
+        # should not need to compute while it waits (the cell's load summary).
+        self.num_placed_hit_tokens = 0
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import socket
 import time
 from collections.abc import Callable
 
@@ -75,7 +76,7 @@ class SchedulerServer:
         if self.port == 0:
             raise OSError(f"could not bind {self.config.host}:{self.config.port}")
         await self._server.start()
-        self.coordinator.start_cell(self.address)
+        self.coordinator.start_cell(self._default_cell_id())
         if self.metrics_server is not None:
             await self.metrics_server.start()
         for service in ("", ENGINE_CORE_SERVICE, LIVENESS_SERVICE):
@@ -111,6 +112,15 @@ class SchedulerServer:
 
     async def wait_for_termination(self) -> None:
         await self._server.wait_for_termination()
+
+
+    def _default_cell_id(self) -> str:
+        """The listening address; on a wildcard host, this machine's name instead
+        (a pod or container name: stable across restarts, unlike a wildcard)."""
+        host = self.config.host
+        if host in ("0.0.0.0", "::", "[::]", ""):
+            host = socket.gethostname()
+        return f"{host}:{self.port}"
 
 
 def _tls_mode(tls: TlsConfig | None) -> str:

@@ -135,7 +135,7 @@ class EngineCoreServicer(scheduler_pb2_grpc.EngineCoreServicer):
         record = coordinator.cell_record()
         stats.cell_id = coordinator.cell_id
         stats.cell_generation = record.generation
-        stats.load_tokens = record.load_tokens
+        stats.prefill_tokens = record.prefill_tokens
         stats.block_size = record.block_size
         return stats
 

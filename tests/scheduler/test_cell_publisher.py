@@ -22,7 +22,7 @@ def delta(prefix: dict[str, list[int] | None], *, clear: bool = False,
 
 def publisher(url: str, index: CellIndex, cell_id: str = "c0", **kwargs) -> CellPublisher:
     return CellPublisher(url, cell_id, index, lambda: MODEL,
-                         lambda: CellRecord(block_size=16, num_workers=1, load_tokens=7),
+                         lambda: CellRecord(block_size=16, num_workers=1, prefill_tokens=7),
                          **kwargs)
 
 
@@ -60,7 +60,7 @@ def test_publishes_record_and_entries_and_renews(redis_url: str) -> None:
         record, blocks = read_cell(redis_url)
         assert pub.generation == 1
         assert CellRecord.from_fields(record) == CellRecord(
-            generation=1, block_size=16, num_workers=1, load_tokens=7,
+            generation=1, block_size=16, num_workers=1, prefill_tokens=7,
             updated_ms=int(record["updated_ms"]))
         assert blocks == {"aa": "1", "bb": "1"}
         index.apply("w0", delta({"aa": None, "cc": [3]}))
