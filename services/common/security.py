@@ -112,8 +112,10 @@ REDIS_URL_ENV = "KVMESH_REDIS_URL"
 
 
 def read_redis_url(url: str | None) -> str | None:
-    """``url`` if given, else $KVMESH_REDIS_URL, else None (no Redis)."""
-    return url or os.environ.get(REDIS_URL_ENV) or None
+    """``url`` if given ("" for none), else $KVMESH_REDIS_URL, else None (no Redis)."""
+    if url is not None:
+        return url or None
+    return os.environ.get(REDIS_URL_ENV) or None
 
 
 def redacted_url(url: str | None) -> str:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -49,6 +49,8 @@ from services.frontend.prefix_index import PrefixIndexReader, prompt_block_hashe
 logger = logging.getLogger(__name__)
 
 _STATS_TIMEOUT_S = 2.0
+# A request sent this long before a load reading is taken to be in it.
+_TRANSIT_MS = 5
 _RESOLVE_INTERVAL_S = 5.0
 
 OutputsCallback = Callable[[EngineCoreOutputs], None]
@@ -71,7 +73,9 @@ class Cell:
     prefill_tokens: int = 0  # its prompt tokens not computed yet
     num_requests: int = 0  # running and waiting
     load_updated_ms: int = 0  # the Redis record's, when load came from there
-    # Sent here since the load was read: uncached prompt tokens, requests.
+    # Sent here and not yet in the load read last: (wall ms sent, uncached
+    # prompt tokens) each, and their sums.
+    pending: deque[tuple[int, int]] = field(default_factory=deque)
     pending_tokens: int = 0
     pending_requests: int = 0
     lost_at: float | None = None  # when its stream broke (monotonic); None while up
@@ -95,12 +99,17 @@ class Cell:
         return CellCandidate(self.name, self.num_workers, self.load_tokens(request_weight),
                              hit_tokens)
 
-    def set_load(self, prefill_tokens: int, num_requests: int) -> None:
-        """A fresh reading of the cell's load: what was pending is in it now."""
+    def set_load(self, prefill_tokens: int, num_requests: int, as_of_ms: int) -> None:
+        """The cell's load as of ``as_of_ms`` (wall clock): what was sent before
+        then (less a transit allowance) is in it; what was sent since is not."""
         self.prefill_tokens, self.num_requests = prefill_tokens, num_requests
-        self.pending_tokens = self.pending_requests = 0
+        while self.pending and self.pending[0][0] < as_of_ms - _TRANSIT_MS:
+            _, tokens = self.pending.popleft()
+            self.pending_tokens -= tokens
+            self.pending_requests -= 1
 
     def add_pending(self, uncached_tokens: int) -> None:
+        self.pending.append((_now_ms(), uncached_tokens))
         self.pending_tokens += uncached_tokens
         self.pending_requests += 1
 
@@ -296,7 +305,8 @@ class EngineCells:
             record = found.record
             if record.updated_ms != cell.load_updated_ms:
                 cell.load_updated_ms = record.updated_ms
-                cell.set_load(record.prefill_tokens, record.num_running + record.num_waiting)
+                cell.set_load(record.prefill_tokens, record.num_running + record.num_waiting,
+                              record.updated_ms)
             hits[cell.name] = found.num_hit_blocks * cell.block_size
         return hits
 
@@ -340,6 +350,7 @@ class EngineCells:
         if not cell.client.connected:
             cell.num_workers = 0
             return
+        asked_ms = _now_ms()
         try:
             stats = await cell.client.get_stats(timeout_s=_STATS_TIMEOUT_S)
         except grpc.aio.AioRpcError:
@@ -350,7 +361,8 @@ class EngineCells:
         cell.num_workers = len(stats.workers)
         cell.block_size = stats.block_size
         cell.set_load(stats.prefill_tokens,
-                      sum(w.num_running_reqs + w.num_waiting_reqs for w in stats.workers))
+                      sum(w.num_running_reqs + w.num_waiting_reqs for w in stats.workers),
+                      asked_ms)
 
     def place_orphans(self) -> None:
         """Sends each orphan home if its cell serves again, else, past the cell's
@@ -416,6 +428,10 @@ class EngineCells:
                 load_tokens=round(cell.load_tokens(self.request_weight)),
                 routed_requests=dict(cell.routed)))
         return merged
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
 
 
 def _num_tokens(request: EngineCoreRequest) -> int:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from services.common.block_hash import hash_block_tokens
 from services.common.cell_index import CellRecord, cell_key
@@ -54,7 +56,7 @@ class PrefixIndexReader:
     def __init__(self, url: str, *, timeout_s: float = 0.1, retry_after_s: float = 1.0) -> None:
         self._client = aioredis.Redis.from_url(
             url, decode_responses=True, socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s)
+            socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0), retry_on_error=[])
         self._timeout_s = timeout_s
         self._retry_after_s = retry_after_s
         self._unavailable_until = 0.0

@@ -325,7 +325,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[FrontendServiceConfig, st
                         "that resolves to several (re-resolved every few seconds)")
     p.add_argument("--redis-url", default=None,
                    help="the cells' prefix index, to route requests to the cell that holds "
-                        "their prefix (default: $KVMESH_REDIS_URL; none: route by load)")
+                        "their prefix (default: $KVMESH_REDIS_URL; \"\": none, route by load)")
     p.add_argument("--router-prefill-weight", type=float, default=1.0,
                    help="weight of a prompt token a cell would prefill against one token "
                         "of its load (see services/frontend/cell_routing.py)")

@@ -28,11 +28,16 @@ from collections.abc import Callable
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from services.common.cell_index import CellRecord, cell_key
 from services.scheduler.kv_store import KVStateDelta
 
 logger = logging.getLogger(__name__)
+
+# A publish in progress when closing gets this long to end (every call times out).
+_CLOSE_TIMEOUT_S = 2.0
 
 # Returns: the generation written; -1 another owner holds the lease; -2 the
 # lease was lost (the record is gone), start again.
@@ -182,14 +187,16 @@ class CellPublisher:
         self._owner = uuid.uuid4().hex
         self._ttl_ms = int(lease_ttl_s * 1000)
         self._interval_s = interval_s
+        # No retries: a failed write is redone whole by the next one anyway.
         self._client = aioredis.Redis.from_url(
             redis_url, decode_responses=True, socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s)
+            socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0), retry_on_error=[])
         self._publish = self._client.register_script(_PUBLISH_SCRIPT)
         self._release = self._client.register_script(_RELEASE_SCRIPT)
         self._mode = "start"  # what the next write must be: start, full or update
         self._keys: list[str] | None = None
         self._task: asyncio.Task[None] | None = None
+        self._closing = False
 
     def start(self) -> None:
         if self._task is None:
@@ -198,9 +205,12 @@ class CellPublisher:
     async def close(self) -> None:
         """Stops publishing and, if it still holds the lease, deletes the cell's keys:
         a cell that stopped routes nothing."""
+        self._closing = True
         if self._task is not None:
+            # The flag ends the loop even where redis-py swallowed the cancellation
+            # of a call in progress.
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await asyncio.wait((self._task,), timeout=_CLOSE_TIMEOUT_S)
             self._task = None
         if self._keys is not None:
             try:
@@ -210,7 +220,7 @@ class CellPublisher:
         await self._client.aclose()
 
     async def _run(self) -> None:
-        while True:
+        while not self._closing:
             await self.publish_once()
             await asyncio.sleep(self._interval_s)
 
