@@ -52,6 +52,10 @@ def test_stats_json_has_each_workers_block_map(http_stack: HttpStack):
     assert worker["num_generation_tokens"] >= 2
     assert isinstance(worker["prefix_cache_queries"], int)  # int64 as a JSON number
     assert worker["history_interval_s"] > 0
+    # The one cell this frontend routes to: its scheduler, up, with its worker.
+    (cell,) = stats["cells"]
+    assert cell["connected"] and cell["num_workers"] == 1
+    assert cell["routed_requests"]["load"] >= 1 and worker["cell_id"] == cell["cell_id"]
 
 
 def test_dashboard_page_and_its_assets_are_served(http_stack: HttpStack):
@@ -125,6 +129,8 @@ def test_dashboard_in_a_real_browser_shows_workers_and_moving_numbers(
     assert int(field(first, "num-used")) > 0  # requests are running: blocks in use
     assert int(re.search(r'id="updates">(\d+)<', first).group(1)) >= 2  # it polled, live
     assert field(first, "tokens-per-s") != ""
+    cells = re.search(r'<table id="cells" class="cells">.*?</table>', first, re.S)
+    assert cells and "<td>up</td>" in cells.group(0)  # shown, one cell, its stream up
     second = dashboard_dom(url, tmp_path / "profile-2")
     assert int(field(second, "generation-tokens")) > int(field(first, "generation-tokens"))
     screenshot = tmp_path / "dashboard.png"

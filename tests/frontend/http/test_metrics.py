@@ -40,7 +40,9 @@ def test_vllm_metric_names_and_labels_on_every_service(http_stack: HttpStack):
             "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total",
             "vllm:generation_tokens_total", "vllm:request_success_total",
             "vllm:request_time_per_output_token_seconds_count",
-            "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_count"],
+            "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_count",
+            "kvmesh:cell_load_tokens", "kvmesh:cell_num_workers", "kvmesh:cell_connected",
+            "kvmesh:cell_routed_requests_total"],
         http_stack.scheduler.metrics_server.url: [
             "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
             "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
