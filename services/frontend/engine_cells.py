@@ -24,6 +24,7 @@ new cells), sends orphans and fails the expired ones.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import Counter, deque
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 import grpc
 from kvmesh.v1 import api_pb2
 
-from services.common.engine import EngineCoreOutputs, EngineCoreRequest
+from services.common.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from services.common.scheduler_addresses import SchedulerTarget, resolve_scheduler_targets
 from services.common.security import TlsConfig
 from services.frontend.cell_routing import (
@@ -51,6 +52,7 @@ logger = logging.getLogger(__name__)
 _STATS_TIMEOUT_S = 2.0
 # A request sent this long before a load reading is taken to be in it.
 _TRANSIT_MS = 5
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 _RESOLVE_INTERVAL_S = 5.0
 
 OutputsCallback = Callable[[EngineCoreOutputs], None]
@@ -313,10 +315,31 @@ class EngineCells:
     # ------------------------------------------------------------ stream callbacks
 
     def _handle_outputs(self, cell: Cell, outputs: EngineCoreOutputs) -> None:
+        """Forwards a cell's outputs, forgetting where finished requests ran.
+
+        A request the cell gives up as UNAVAILABLE (its last worker died, or it
+        is draining) is not failed while another cell serves: it waits as an
+        orphan and goes there with its tokens so far (at once, not after the grace).
+        """
+        others_serve = any(c.ready for c in self.cells.values() if c is not cell)
+        kept: list[EngineCoreOutput] = []
         for output in outputs.outputs:
-            if output.finish_reason is not None and self.placements.get(output.request_id) is cell:
-                del self.placements[output.request_id]
-                cell.request_ids.discard(output.request_id)
+            request_id = output.request_id
+            if output.finish_reason is None or self.placements.get(request_id) is not cell:
+                kept.append(output)
+                continue
+            del self.placements[request_id]
+            cell.request_ids.discard(request_id)
+            if output.status_code == _UNAVAILABLE and others_serve:
+                cell.num_workers = 0  # until its GetStats says otherwise
+                self.orphans[request_id] = Orphan(time.monotonic() - self.cell_grace_s, cell)
+                logger.info("event=request_moving request_id=%s cell=%s reason=%r",
+                            request_id, cell.name, output.finish_message)
+            else:
+                kept.append(output)
+        if len(kept) != len(outputs.outputs):
+            outputs = dataclasses.replace(outputs, outputs=kept)
+            self._on_change()  # the orphans go out at once
         self._on_outputs(outputs)
 
     def _handle_connect(self, cell: Cell) -> None:

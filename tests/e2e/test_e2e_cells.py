@@ -1,6 +1,6 @@
 """Two cells (a scheduler and its worker each) behind one frontend, real processes
-and a real Redis: prefix routing, load spreading, a scheduler SIGKILLed under
-16 greedy streams, Redis killed and back, a restarted scheduler's generation,
+and a real Redis: prefix routing, load spreading, a scheduler or a cell's only
+worker SIGKILLed under 16 greedy streams, Redis killed and back, a restarted scheduler's generation,
 and an index nobody writes without the password.
 """
 
@@ -132,6 +132,18 @@ def test_sigkill_a_scheduler_under_16_greedy_streams_changes_no_output(cluster, 
     # Every request of the dead cell went to the live one, with its tokens so far.
     assert sum(c.routed_requests.get("resubmit", 0) for c in client.stats().cells) > 0
     print(f"all {NUM_STREAMS} streams finished {time.monotonic() - killed_at:.1f}s after the kill")
+    restart_killed(cluster, client)
+
+
+def test_sigkill_the_only_worker_of_a_cell_moves_its_streams_to_the_other(cluster, client):
+    token_prompts = prompts(17, NUM_STREAMS)
+    expected = reference(client, token_prompts)
+    streams = Streams(client, token_prompts)
+    wait_for(lambda: max(map(len, streams.tokens)) >= 5, 60, "the first tokens")
+    kill(cluster.workers[0])  # cell-0 has no worker left
+    streams.join(180)
+    assert streams.errors == [None] * NUM_STREAMS
+    assert streams.tokens == expected
     restart_killed(cluster, client)
 
 
