@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import grpc
 from kvmesh.v1 import api_pb2
 
-from services.common.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from services.common.engine import EngineCoreOutputs, EngineCoreRequest
 from services.common.scheduler_addresses import SchedulerTarget, resolve_scheduler_targets
 from services.common.security import TlsConfig
 from services.frontend.cell_routing import (
@@ -321,26 +321,27 @@ class EngineCells:
         is draining) is not failed while another cell serves: it waits as an
         orphan and goes there with its tokens so far (at once, not after the grace).
         """
-        others_serve = any(c.ready for c in self.cells.values() if c is not cell)
-        kept: list[EngineCoreOutput] = []
+        moved: set[str] = set()
         for output in outputs.outputs:
             request_id = output.request_id
             if output.finish_reason is None or self.placements.get(request_id) is not cell:
-                kept.append(output)
                 continue
             del self.placements[request_id]
             cell.request_ids.discard(request_id)
-            if output.status_code == _UNAVAILABLE and others_serve:
+            if output.status_code == _UNAVAILABLE and self._another_serves(cell):
                 cell.num_workers = 0  # until its GetStats says otherwise
                 self.orphans[request_id] = Orphan(time.monotonic() - self.cell_grace_s, cell)
+                moved.add(request_id)
                 logger.info("event=request_moving request_id=%s cell=%s reason=%r",
                             request_id, cell.name, output.finish_message)
-            else:
-                kept.append(output)
-        if len(kept) != len(outputs.outputs):
-            outputs = dataclasses.replace(outputs, outputs=kept)
+        if moved:
+            outputs = dataclasses.replace(
+                outputs, outputs=[o for o in outputs.outputs if o.request_id not in moved])
             self._on_change()  # the orphans go out at once
         self._on_outputs(outputs)
+
+    def _another_serves(self, cell: Cell) -> bool:
+        return any(other.ready for other in self.cells.values() if other is not cell)
 
     def _handle_connect(self, cell: Cell) -> None:
         cell.lost_at = None
