@@ -1,10 +1,12 @@
 """docker compose, for real: the project's Dockerfile built and its
-docker-compose.yml brought up under a Docker engine (Redis, the scheduler, two
-workers and two frontends by ``--scale``), every healthcheck waited for, a
-greedy answer streamed through each published frontend port over gRPC and over
-HTTP with the ``openai`` client, a worker container killed mid-generation
-with every stream finishing, the image's fast paths and one-stream speed
-against the host's, and ``down -v`` leaving nothing behind.
+docker-compose.yml brought up under a Docker engine (Redis with a password, two
+cells: two schedulers with a worker each, and two frontends, by ``--scale``),
+every healthcheck waited for, a greedy answer streamed through each published
+frontend port over gRPC and over HTTP with the ``openai`` client, a prefix
+routed to the cell that holds it through Redis, a worker container and then a
+scheduler container killed mid-generation with every stream finishing as it
+would have, the image's fast paths and one-stream speed against the host's, and
+``down -v`` leaving nothing behind.
 
 The base image stands in for python:3.11-slim and the Redis image for redis:7
 (tests/deploy/images.py). Without root, a Docker engine or debootstrap the
@@ -13,8 +15,10 @@ module skips and says why; in CI (.ci/run) all three are there.
 
 from __future__ import annotations
 
+import random
 import secrets
 import statistics
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,8 +29,9 @@ import pytest
 from kvmesh.client import Client
 from kvmesh.cluster import ClusterConfig, LocalCluster
 from tests.deploy.compose import BuiltImage, ComposeProject, build_kvmesh_image, remove_projects
-from tests.deploy.images import docker_unavailable_reason, ensure_base_image, ensure_redis_image
-from tests.e2e.helpers import Streams, prompts
+from tests.deploy.images import (docker_command, docker_unavailable_reason, ensure_base_image,
+                                 ensure_redis_image)
+from tests.e2e.helpers import Streams, prompts, reference, wait_for
 
 pytestmark = [
     pytest.mark.docker,
@@ -34,10 +39,11 @@ pytestmark = [
                        reason=str(docker_unavailable_reason())),
 ]
 
-NUM_WORKERS = NUM_FRONTENDS = 2
+NUM_SCHEDULERS = NUM_WORKERS = NUM_FRONTENDS = 2  # two cells of one worker
 PROJECT_PREFIX = "kvmesh-test-"
 # A cold start compiles the model's graphs for this CPU in each worker at once.
 HEALTHY_TIMEOUT_S = 900.0
+PREFIX_TOKENS = 96  # 6 full blocks of 16
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 SPEED_PROMPT = "Write a long story about a lighthouse keeper and the sea."
 SPEED_MAX_TOKENS = 96
@@ -64,13 +70,16 @@ def deployment(tmp_path_factory) -> Iterator[Deployment]:
         "KVMESH_IMAGE": image.tag,
         "REDIS_IMAGE": ensure_redis_image(),
         "KVMESH_CLUSTER_SECRET": secrets.token_hex(32),
+        "KVMESH_REDIS_PASSWORD": secrets.token_hex(32),
     })
     try:
         # One worker first: it compiles for this CPU into the shared compile-cache
         # volume, and the second starts from there (two cold compiles at once on
-        # two cores would take longer than one after the other).
+        # two cores would take longer than one after the other). Each joins the
+        # cell with the fewest workers: one a cell.
         for num_workers in (1, NUM_WORKERS):
-            project.compose("up", "-d", "--no-build", "--scale", f"worker={num_workers}",
+            project.compose("up", "-d", "--no-build", "--scale", f"scheduler={NUM_SCHEDULERS}",
+                            "--scale", f"worker={num_workers}",
                             "--scale", f"frontend={NUM_FRONTENDS}")
             project.wait_healthy(HEALTHY_TIMEOUT_S)
         frontends = [(project.published_port(c, 50051), project.published_port(c, 8000))
@@ -84,7 +93,8 @@ def deployment(tmp_path_factory) -> Iterator[Deployment]:
 def test_every_service_comes_up_healthy_as_its_user(deployment: Deployment):
     project = deployment.project
     counts = {s: len(project.container_ids(s)) for s in ("redis", "scheduler", "worker", "frontend")}
-    assert counts == {"redis": 1, "scheduler": 1, "worker": NUM_WORKERS, "frontend": NUM_FRONTENDS}
+    assert counts == {"redis": 1, "scheduler": NUM_SCHEDULERS, "worker": NUM_WORKERS,
+                      "frontend": NUM_FRONTENDS}
     assert set(project.health().values()) == {"healthy"}
     for service in ("scheduler", "worker", "frontend"):
         for container_id in project.container_ids(service):
@@ -122,6 +132,58 @@ def test_a_worker_container_killed_mid_generation_loses_no_stream(deployment: De
     assert [len(tokens) for tokens in streams.tokens] == [64] * 4
     project.docker("start", victim)  # (if its restart policy has not already)
     project.wait_healthy(HEALTHY_TIMEOUT_S)  # the restarted worker too
+    with Client(f"127.0.0.1:{grpc_port}", timeout_s=60) as client:
+        wait_for(lambda: every_cell_serves(client), 120, "the restarted worker back in its cell")
+
+
+def every_cell_serves(client: Client) -> bool:
+    """Every cell connected with one worker, as the deployment started."""
+    cells = client.stats().cells
+    return len(cells) == NUM_SCHEDULERS and all(c.connected and c.num_workers == 1
+                                                for c in cells)
+
+
+def test_a_prefix_goes_to_the_cell_that_holds_it_from_either_frontend(deployment: Deployment):
+    (first, _), (second, _) = deployment.frontends
+    rng = random.Random(3)
+    prefix = [rng.randrange(1000, 40000) for _ in range(PREFIX_TOKENS)]
+    with Client(f"127.0.0.1:{first}", timeout_s=120) as a, \
+            Client(f"127.0.0.1:{second}", timeout_s=120) as b:
+        wait_for(lambda: every_cell_serves(a) and every_cell_serves(b), 120, "two cells")
+        before = sum(c.routed_requests.get("prefix", 0) for c in b.stats().cells)
+        a.complete(token_ids=prefix + [1000], max_tokens=4, temperature=0.0)
+        time.sleep(0.5)  # the cell publishes its new entries in Redis
+        # The other frontend has sent nothing there: only the index tells it where.
+        output = b.complete(token_ids=prefix + [2000], max_tokens=4, temperature=0.0)
+        assert output.metrics.num_cached_tokens >= PREFIX_TOKENS
+        assert sum(c.routed_requests.get("prefix", 0) for c in b.stats().cells) == before + 1
+
+
+def test_redis_refuses_a_client_without_the_password(deployment: Deployment):
+    redis_container = deployment.project.container_ids("redis")[0]
+    # The container's own redis-cli, without the password its environment holds.
+    answer = subprocess.run([*docker_command(), "exec", redis_container, "env", "-u",
+                             "REDISCLI_AUTH", "redis-cli", "set", "kvmesh:x", "1"],
+                            capture_output=True, text=True, timeout=60)
+    assert "NOAUTH" in answer.stdout + answer.stderr, answer
+
+
+def test_a_scheduler_container_killed_mid_generation_changes_no_output(deployment: Deployment):
+    project = deployment.project
+    grpc_port, _ = deployment.frontends[0]
+    token_prompts = prompts(seed=11, count=4)
+    with Client(f"127.0.0.1:{grpc_port}", timeout_s=300) as client:
+        wait_for(lambda: every_cell_serves(client), 120, "two cells")
+        expected = reference(client, token_prompts, max_tokens=64)
+        streams = Streams(client, token_prompts, max_tokens=64)
+        assert streams.started.wait(120)
+        project.docker("kill", project.container_ids("scheduler")[0])
+        streams.join(300)
+        assert streams.errors == [None] * 4
+        assert streams.tokens == expected  # the dead cell's requests resumed in the other
+        project.docker("start", *project.container_ids("scheduler"))
+        project.wait_healthy(HEALTHY_TIMEOUT_S)
+        wait_for(lambda: every_cell_serves(client), 120, "both cells back with a worker each")
 
 
 def one_stream_tokens_per_s(address: str) -> float:
