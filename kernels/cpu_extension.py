@@ -25,9 +25,8 @@ import torch
 from torch.utils import cpp_extension
 
 logger = logging.getLogger(__name__)
-SOURCES = tuple(Path(__file__).parent / "csrc" / name
-                for name in ("decode_attention_cpu.cpp", "int8_linear_cpu.cpp",
-                             "token_bitmask_cpu.cpp"))
+# Every C++ source in csrc, in one library.
+SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
 # torch's capability -> compiler flags for ATen's vector types (as inductor's VecISA).
 _ISA_FLAGS = {
     "AVX512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl",
