@@ -221,7 +221,8 @@ async def _route_times_ms(cluster: LocalCluster, model: str, prompts: list[list[
                 times[name].append((end - start) * 1e3)
             reasons[reason.value] = reasons.get(reason.value, 0) + 1
             for cell in ready:  # what _route added stands for nothing that was sent
-                cell.set_load(cell.prefill_tokens, cell.num_requests)
+                cell.set_load(cell.prefill_tokens, cell.num_requests,
+                              as_of_ms=int(time.time() * 1e3) + 1000)
         return times, reasons, len(hashes)
     finally:
         await cells.close()

@@ -67,6 +67,31 @@ def test_reader_trusts_only_live_records_of_the_same_generation(redis_url: str) 
     assert found["dead"].record is None and found["dead"].num_hit_blocks == 0
 
 
+def test_reader_counts_leading_hits_past_one_chunk_and_on_long_prompts(redis_url: str) -> None:
+    """The script reads hashes in growing chunks: a run of hits crosses chunks
+    and stops at the first miss; a prompt of 5,000 blocks is one call too."""
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    hashes = [f"h{i:04d}" for i in range(5000)]
+    for cell_id, held in (("all", 5000), ("some", 70), ("gap", 130)):
+        client.hset(cell_key("m2", cell_id, "record"),
+                    mapping=CellRecord(generation=1, block_size=16).to_fields())
+        client.hset(cell_key("m2", cell_id, "blocks"), mapping=dict.fromkeys(hashes[:held], "1"))
+    client.hdel(cell_key("m2", "gap", "blocks"), "h0100")  # held after the gap: not leading
+    client.close()
+
+    async def lookup() -> dict:
+        reader = PrefixIndexReader(redis_url, timeout_s=5)
+        try:
+            return await reader.lookup("m2", [(c, hashes) for c in ("all", "some", "gap", "none")])
+        finally:
+            await reader.close()
+
+    found = asyncio.run(lookup())
+    assert {c: found[c].num_hit_blocks for c in found} == {
+        "all": 5000, "some": 70, "gap": 100, "none": 0}
+    assert found["all"].record == CellRecord(generation=1, block_size=16)
+
+
 def test_reader_falls_back_fast_when_redis_is_gone() -> None:
     async def lookup() -> tuple:
         reader = PrefixIndexReader("redis://127.0.0.1:1/0", retry_after_s=60)
