@@ -1,9 +1,13 @@
-"""Services on separate hosts: Redis, the scheduler, two workers and a frontend,
-each in a network namespace of its own with its own address and hostname
-(tests/netns.py), finding each other by name, with mutual TLS on the internal
-plane and TLS on the public API from certificates naming each host's name and
-address. A worker cut off the network mid-generation fails over and every
-stream finishes unchanged; Redis cut off leaves serving untouched.
+"""Services on separate hosts: Redis, two cells (a scheduler and two workers
+each) and a frontend, each in a network namespace of its own with its own
+address and hostname (tests/netns.py), finding each other by name, with mutual
+TLS on the internal plane and TLS on the public API from certificates naming
+each host's name and address. Workers and the frontend are given one name,
+``scheduler.kvmesh.test``, that resolves to both schedulers (as a Kubernetes
+headless Service does): TLS checks each scheduler's certificate against that
+name. A worker cut off the network mid-generation fails over inside its cell,
+a scheduler cut off has its requests finish in the other cell, Redis cut off
+leaves serving untouched (routing by load meanwhile): every stream unchanged.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from kvmesh.client import Client
 from kvmesh.cluster import ServiceProcess, stop_all
 from kvmesh.healthcheck import check_health
 from services.common.redis_server import valkey_server_binary
-from services.common.security import CLUSTER_SECRET_ENV, TlsConfig
+from services.common.security import CLUSTER_SECRET_ENV, REDIS_URL_ENV, TlsConfig
 from tests.certs import CertificateAuthority
 from tests.e2e.helpers import (
     TINY_MAX_MODEL_LEN,
@@ -40,6 +44,10 @@ pytestmark = pytest.mark.skipif(netns_unavailable_reason() is not None,
                                 reason=str(netns_unavailable_reason()))
 
 DOMAIN = "kvmesh.test"
+SCHEDULERS = ("scheduler-1", "scheduler-2")
+WORKERS = ("worker-1", "worker-2", "worker-3", "worker-4")
+# The one name of every scheduler, as a headless Service's.
+SCHEDULERS_NAME = f"scheduler.{DOMAIN}"
 REDIS_PORT, SCHEDULER_PORT, METRICS_PORT = 6379, 50052, 9400
 WORKER_HEALTH_PORT, FRONTEND_PORT, HTTP_PORT = 50053, 50051, 8000
 # A deadline, not an expectation: a cold start compiles (minutes on a busy machine).
@@ -66,8 +74,16 @@ class SeparateHosts:
         return Client(self.address("frontend", FRONTEND_PORT), timeout_s=120,
                       tls=TlsConfig(ca_file=self.ca.ca_file))
 
-    def scheduler_metric(self, name: str) -> float:
-        return metric_sum(f"http://{self.address('scheduler', METRICS_PORT)}/metrics", name)
+    def scheduler_metric(self, name: str, schedulers: tuple[str, ...] = SCHEDULERS) -> float:
+        """``name`` summed over ``schedulers``' /metrics."""
+        return sum(metric_sum(f"http://{self.address(s, METRICS_PORT)}/metrics", name)
+                   for s in schedulers)
+
+    def scheduler_of(self, client: Client, worker_id: str) -> str:
+        """The host of the scheduler whose cell ``worker_id`` is in (a cell's id
+        is its scheduler's hostname:port)."""
+        (cell_id,) = [w.cell_id for w in client.stats().workers if w.worker_id == worker_id]
+        return next(name for name in SCHEDULERS if cell_id.startswith(_fqdn(name) + ":"))
 
 
 def _fqdn(name: str) -> str:
@@ -78,13 +94,13 @@ def _tls_args(tls: TlsConfig) -> list[str]:
     return ["--tls-cert", tls.cert_file, "--tls-key", tls.key_file, "--tls-ca", tls.ca_file]
 
 
-def _service_argv(name: str, tls: TlsConfig, model_dir: Path, redis_password: str) -> list[str]:
-    """The command line of ``name``'s service, addressing its peers by name."""
-    scheduler = f"{_fqdn('scheduler')}:{SCHEDULER_PORT}"
-    if name == "scheduler":
+def _service_argv(name: str, tls: TlsConfig, model_dir: Path) -> list[str]:
+    """The command line of ``name``'s service, addressing its peers by name
+    (Redis' URL, password inside, comes in the environment)."""
+    scheduler = f"{SCHEDULERS_NAME}:{SCHEDULER_PORT}"
+    if name in SCHEDULERS:
         return [sys.executable, "-m", "services.scheduler.server", "--host", "0.0.0.0",
                 "--port", str(SCHEDULER_PORT), "--metrics-port", str(METRICS_PORT),
-                "--redis-url", f"redis://:{redis_password}@{_fqdn('redis')}:{REDIS_PORT}/0",
                 "--max-num-seqs", "4", "--worker-step-timeout-s", str(WORKER_STEP_TIMEOUT_S),
                 *_tls_args(tls)]
     model_args = ["--model", str(model_dir), "--max-model-len", str(TINY_MAX_MODEL_LEN)]
@@ -132,10 +148,11 @@ def _pings(client: redis.Redis) -> bool:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory) -> Iterator[SeparateHosts]:
-    names = ("redis", "scheduler", "worker-1", "worker-2", "frontend")
+    names = ("redis", *SCHEDULERS, *WORKERS, "frontend")
     tls_dir, log_dir = tmp_path_factory.mktemp("tls"), tmp_path_factory.mktemp("logs")
     with VirtualNetwork("hosts") as network:
         hosts = {name: network.add_host(name, hostname=_fqdn(name)) for name in names}
+        network.write_hosts_files({SCHEDULERS_NAME: [hosts[name].ip for name in SCHEDULERS]})
         ca = CertificateAuthority(tls_dir)
         cluster = SeparateHosts(network, hosts, ca, ca.issue("client", [_fqdn("client")]))
         try:
@@ -148,39 +165,66 @@ def cluster(tiny_model_dir, tmp_path_factory) -> Iterator[SeparateHosts]:
 def _start_cluster(cluster: SeparateHosts, model_dir: Path, log_dir: Path) -> None:
     redis_password, secret = "redis-password-for-the-test", "cluster-secret-for-the-test"
     _start_redis(cluster, redis_password, log_dir)
-    ports = {"scheduler": SCHEDULER_PORT, "worker-1": WORKER_HEALTH_PORT,
-             "worker-2": WORKER_HEALTH_PORT, "frontend": FRONTEND_PORT}
-    for group in (["scheduler"], ["worker-1", "worker-2"], ["frontend"]):
+    redis_url = f"redis://:{redis_password}@{_fqdn('redis')}:{REDIS_PORT}/0"
+    # Workers one at a time: each joins the cell with the fewest, so two a cell.
+    for group in ([*SCHEDULERS], *([w] for w in WORKERS), ["frontend"]):
         for name in group:
             host = cluster.hosts[name]
-            tls = cluster.ca.issue(name, [host.hostname, host.ip])
-            argv = _service_argv(name, tls, model_dir, redis_password)
+            port = (SCHEDULER_PORT if name in SCHEDULERS else
+                    WORKER_HEALTH_PORT if name in WORKERS else FRONTEND_PORT)
+            # A scheduler's certificate names the Service's name too.
+            tls = cluster.ca.issue(name, [host.hostname, host.ip] + (
+                [SCHEDULERS_NAME] if name in SCHEDULERS else []))
+            env = {CLUSTER_SECRET_ENV: secret}
+            if name not in WORKERS:
+                env[REDIS_URL_ENV] = redis_url
             cluster.processes[name] = ServiceProcess(
-                name, host.command(argv), f"{host.ip}:{ports[name]}", log_dir / f"{name}.log",
-                {CLUSTER_SECRET_ENV: secret})
+                name, host.command(_service_argv(name, tls, model_dir)),
+                f"{host.ip}:{port}", log_dir / f"{name}.log", env)
         for name in group:  # the worker's health port is plaintext, like a probe's
             _wait_serving(cluster.processes[name],
-                          None if name.startswith("worker") else cluster.client_tls)
+                          None if name in WORKERS else cluster.client_tls)
+        if name in WORKERS:  # registered: the next worker sees it in its cell
+            wait_for(lambda: _num_registered(cluster) == WORKERS.index(name) + 1, 60,
+                     f"{name} registered")
+
+
+def _num_registered(cluster: SeparateHosts) -> int:
+    return int(cluster.scheduler_metric("kvmesh:workers"))
+
+
+def _every_cell_has_two_workers(client: Client) -> bool:
+    cells = client.stats().cells
+    return len(cells) == 2 and all(c.connected and c.num_workers == 2 for c in cells)
 
 
 def test_each_service_runs_on_its_own_host_and_authenticates_its_peers(cluster):
-    peers = cluster.hosts["scheduler"].connected_peers(SCHEDULER_PORT)
-    assert {cluster.hosts[n].ip for n in ("worker-1", "worker-2", "frontend")} <= peers
-    assert cluster.hosts["scheduler"].ip in cluster.hosts["redis"].connected_peers(REDIS_PORT)
     with cluster.client() as client:
-        assert sorted(w.worker_id for w in client.stats().workers) == ["worker-1", "worker-2"]
+        wait_for(lambda: _every_cell_has_two_workers(client), 30, "two cells of two workers")
+        stats = client.stats()
+        assert sorted(w.worker_id for w in stats.workers) == list(WORKERS)
+        assert {c.cell_id for c in stats.cells} == {f"{_fqdn(s)}:{SCHEDULER_PORT}"
+                                                    for s in SCHEDULERS}
         answer = client.complete("The capital of France is", max_tokens=8, temperature=0.0)
         assert len(answer.outputs[0].token_ids) == 8
+        for scheduler in SCHEDULERS:
+            cell_workers = {w for w in WORKERS if cluster.scheduler_of(client, w) == scheduler}
+            peers = cluster.hosts[scheduler].connected_peers(SCHEDULER_PORT)
+            assert {cluster.hosts[n].ip for n in (*cell_workers, "frontend")} <= peers
+    # Both schedulers mirror to Redis, and the frontend reads the index there.
+    assert {cluster.hosts[n].ip for n in (*SCHEDULERS, "frontend")} <= \
+        cluster.hosts["redis"].connected_peers(REDIS_PORT)
     # The internal plane wants a client certificate from this CA; the public API
     # wants TLS.
-    scheduler = cluster.address("scheduler", SCHEDULER_PORT)
-    assert check_health(scheduler, tls=cluster.client_tls) == "SERVING"
-    assert check_health(scheduler, tls=TlsConfig(ca_file=cluster.ca.ca_file)).startswith(
-        "UNREACHABLE")
+    for scheduler in SCHEDULERS:
+        address = cluster.address(scheduler, SCHEDULER_PORT)
+        assert check_health(address, tls=cluster.client_tls) == "SERVING"
+        assert check_health(address, tls=TlsConfig(ca_file=cluster.ca.ca_file)).startswith(
+            "UNREACHABLE")
     assert check_health(cluster.address("frontend", FRONTEND_PORT)).startswith("UNREACHABLE")
 
 
-def test_a_partitioned_worker_fails_over_and_its_requests_finish(cluster):
+def test_a_partitioned_worker_fails_over_in_its_cell_and_its_requests_finish(cluster):
     with cluster.client() as client:
         token_prompts = prompts(10, 4)
         expected = reference(client, token_prompts)
@@ -189,18 +233,20 @@ def test_a_partitioned_worker_fails_over_and_its_requests_finish(cluster):
         running = {w.worker_id: w.num_running_reqs for w in client.stats().workers}
         victim = max(running, key=running.__getitem__)
         assert running[victim] > 0
+        its_scheduler = cluster.scheduler_of(client, victim)
         cluster.network.partition(cluster.hosts[victim])
         try:
             streams.join(120)
             assert streams.errors == [None] * len(token_prompts)
             assert streams.tokens == expected
-            assert [w.worker_id for w in client.stats().workers] == [
-                n for n in ("worker-1", "worker-2") if n != victim]
-            assert cluster.scheduler_metric("kvmesh:worker_failovers_total") >= 1
+            assert victim not in [w.worker_id for w in client.stats().workers]
+            # Its cell's other worker took its requests.
+            assert cluster.scheduler_metric("kvmesh:worker_failovers_total",
+                                            (its_scheduler,)) >= 1
         finally:
             cluster.network.heal(cluster.hosts[victim])
         # Back on the network, the worker registers again, and nothing leaked.
-        wait_for(lambda: len(client.stats().workers) == 2, timeout_s=90,
+        wait_for(lambda: len(client.stats().workers) == len(WORKERS), timeout_s=90,
                  what="the healed worker registered again")
         wait_for(lambda: all_blocks_free(client), timeout_s=30, what="every block free")
 
@@ -210,23 +256,52 @@ def test_a_partitioned_redis_leaves_serving_untouched(cluster):
         token_prompts = prompts(11, 4)
         expected = reference(client, token_prompts)
         errors_before = cluster.scheduler_metric("kvmesh:redis_mirror_errors_total")
+        fallback_before = _routed(client, "fallback")
         cluster.network.partition(cluster.hosts["redis"])
         try:
             streams = Streams(client, token_prompts)
             streams.join(120)
             assert streams.errors == [None] * len(token_prompts)
             assert streams.tokens == expected
-            # The mirror noticed: its writes to Redis failed meanwhile.
+            # The frontend routed by load alone, and the mirrors' writes failed.
+            assert _routed(client, "fallback") > fallback_before
             wait_for(lambda: cluster.scheduler_metric("kvmesh:redis_mirror_errors_total")
                      > errors_before, timeout_s=30, what="the mirror's writes failing")
         finally:
             cluster.network.heal(cluster.hosts["redis"])
-        # Redis back: the mirror catches up (no lag), and serving never stopped.
+        # Redis back: the mirrors catch up (no lag), and serving never stopped.
         wait_for(lambda: cluster.scheduler_metric("kvmesh:redis_mirror_lag_seconds") == 0,
                  timeout_s=60, what="the mirror caught up")
         assert list(client.complete(token_ids=token_prompts[0], max_tokens=150,
                                     temperature=0.0, ignore_eos=True).outputs[0].token_ids) == \
             expected[0]
+
+
+def _routed(client: Client, reason: str) -> int:
+    return sum(c.routed_requests.get(reason, 0) for c in client.stats().cells)
+
+
+def test_a_partitioned_scheduler_has_its_requests_finish_in_the_other_cell(cluster):
+    with cluster.client() as client:
+        wait_for(lambda: _every_cell_has_two_workers(client), 90, "two cells of two workers")
+        token_prompts = prompts(12, 8)
+        expected = reference(client, token_prompts)
+        streams = Streams(client, token_prompts)
+        assert streams.started.wait(60)
+        victim = cluster.hosts[SCHEDULERS[0]]
+        resubmitted_before = _routed(client, "resubmit")
+        cluster.network.partition(victim)
+        try:
+            # Noticed by the stream's keepalive (about 20 s), then resubmitted.
+            streams.join(180)
+            assert streams.errors == [None] * len(token_prompts)
+            assert streams.tokens == expected
+            assert _routed(client, "resubmit") > resubmitted_before
+        finally:
+            cluster.network.heal(victim)
+        # Its workers joined the live cell meanwhile; the idle ones come back.
+        wait_for(lambda: _every_cell_has_two_workers(client), 180, "both cells serving again")
+        wait_for(lambda: all_blocks_free(client), timeout_s=30, what="every block free")
 
 
 def test_a_client_without_the_ca_cannot_reach_the_frontend(cluster):
