@@ -2,7 +2,7 @@
 
 One FrontendStream per cell (``EngineCoreClient``). A new request goes to
 the cell ``cell_routing.choose_cell`` picks, from the cells' prefix entries
-and load in Redis (one pipelined lookup; load alone without Redis); all n>1
+and load in Redis (one lookup; load alone without Redis); all n>1
 children of a request go together. The frontend remembers where each
 request runs, so aborts go there.
 
