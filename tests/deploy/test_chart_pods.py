@@ -168,7 +168,7 @@ def test_the_schedulers_mirror_to_the_charts_redis_with_its_password(chart_clust
     (redis_pod,) = chart_cluster.of("redis")
     redis_host = chart_cluster.network.hosts[redis_pod.name]
     for pod in chart_cluster.of("scheduler"):
-        # --redis-url=$(KVMESH_REDIS_URL): the URL from the Secret, password inside.
+        # $KVMESH_REDIS_URL: the URL from the Secret, password inside.
         assert pod.ip in redis_host.connected_peers(redis_pod.port("redis"))
         metrics = f"http://{pod.ip}:{pod.port('metrics')}/metrics"
         assert metric_sum(metrics, "kvmesh:redis_mirror_errors_total") == 0
@@ -177,6 +177,9 @@ def test_the_schedulers_mirror_to_the_charts_redis_with_its_password(chart_clust
         redis.Redis(host=redis_pod.ip, port=port, socket_timeout=5).set("k", "v")
     password = redis_pod.env["REDIS_PASSWORD"]
     assert redis.Redis(host=redis_pod.ip, port=port, password=password).keys("kvmesh:*")
+    for pod in chart_cluster.of("scheduler") + chart_cluster.of("frontend"):
+        # As the kubelet expands it: the password is in the environment only.
+        assert password not in " ".join(container_argv(pod, image_programs())), pod.name
 
 
 def _openai_client(pod: Pod, api_key: str) -> openai.OpenAI:
