@@ -113,3 +113,8 @@ def _register_fake_kernels() -> None:
         def _int8_linear_cpu(x: torch.Tensor, qweight: torch.Tensor,
                              scales: torch.Tensor) -> torch.Tensor:
             return x.new_empty(x.shape[0], qweight.shape[0])
+
+    @torch.library.register_fake("kvmesh::gguf_linear_cpu")
+    def _gguf_linear_cpu(x: torch.Tensor, qweight: torch.Tensor, quant_type: int,
+                         use_vnni: bool = True) -> torch.Tensor:
+        return x.new_empty(x.shape[0], qweight.shape[0])
