@@ -1,0 +1,295 @@
+// kvmesh::bf16_linear_cpu: x @ weight.T with a bfloat16 weight, for a few rows (decode).
+//
+// out[m, n] = sum_k x[m, k] * weight[n, k] in float32, rounded once to x's dtype
+// (float32 or bfloat16): the product F.linear(x.float(), weight.float()) computes,
+// up to summation order. weight is the model's plain [N, K] layout; K must be a
+// multiple of 32.
+//
+// Decode reads every weight once per step, so the kernel is a stream over the
+// weight rows, as kernels/csrc/int8_linear_cpu.cpp is: each thread takes one
+// contiguous range of rows, eight at a time with independent float32 accumulators
+// while the next eight are prefetched, and each weight vector is loaded (and
+// widened) once per block of up to four activation rows.
+//
+// Three paths, chosen per call (`path` "auto"), or forced by name for tests:
+//  - "avx512bf16": vdpbf16ps multiplies bfloat16 pairs straight from memory, for
+//    bfloat16 x on CPUs that have AVX512-BF16 (checked at run time; compiled with
+//    a target attribute, so the library still loads elsewhere). Its products are
+//    exact in float32 like the reference's (it flushes denormals, below ~1e-38).
+//    float32 x would have to be rounded to bfloat16 first, which changes the
+//    result, so float32 x takes the next path.
+//  - "avx512f" (AVX-512 builds): a bfloat16 is the high half of a float32, so a
+//    32-bit word holding a pair widens into two floats with one shift and one
+//    mask: the even elements and the odd ones. x is converted to float32 once per
+//    call with each step's even elements before its odd ones, to match.
+//  - "avx2": the same at 256 bits; the AVX2 build's path (also compiled into
+//    AVX-512 builds, so that it can be tested there).
+//
+// Built at run time by kernels/cpu_extension.py with the C++ compiler inductor uses.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string_view>
+
+namespace {
+
+constexpr int64_t kRows = 8;  // weight rows per group (and per inner loop for one row of x)
+constexpr int64_t kBlock = 4;  // rows of x per inner loop
+constexpr int64_t kKMultiple = 32;  // K per step of the 512-bit paths
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr const char* kPaths = "auto, avx512bf16, avx512f, avx2";
+#else
+constexpr const char* kPaths = "auto, avx2";
+#endif
+
+// Widening paths: a step is kPairs 32-bit words of weight, 2 * kPairs elements.
+struct Avx2 {
+  using Vec = __m256;
+  static constexpr int64_t kPairs = 8;
+  static constexpr int64_t kBlockRows = 2;  // weight rows per inner loop with a block of x:
+                                            // 4 x 2 accumulators fit 16 registers
+  static Vec zero() { return _mm256_setzero_ps(); }
+  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
+  static void widen(const uint16_t* w, Vec& even, Vec& odd) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF0000)));
+  }
+  static Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(Vec v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+};
+
+#if defined(CPU_CAPABILITY_AVX512)
+struct Avx512F {
+  using Vec = __m512;
+  static constexpr int64_t kPairs = 16;
+  static constexpr int64_t kBlockRows = 4;  // 4 x 4 accumulators
+  static Vec zero() { return _mm512_setzero_ps(); }
+  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static void widen(const uint16_t* w, Vec& even, Vec& odd) {
+    const __m512i v = _mm512_loadu_si512(w);
+    even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xFFFF0000)));
+  }
+  static Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(Vec v) { return _mm512_reduce_add_ps(v); }
+};
+#endif
+
+// A widening path: x float32, each step's even elements before its odd ones.
+template <typename Isa>
+struct Widen {
+  using X = float;
+  static constexpr int64_t kBlockRows = Isa::kBlockRows;
+
+  // out[m * out_stride + r] = dot(x row m, w row r) for MB rows of x and R rows of w.
+  template <int64_t MB, int64_t R>
+  static void dot_block(const float* x, const uint16_t* w, int64_t K, float* out,
+                        int64_t out_stride) {
+    using Vec = typename Isa::Vec;
+    constexpr int64_t P = Isa::kPairs;
+    Vec acc[MB][R];
+    for (int64_t m = 0; m < MB; ++m)
+      for (int64_t r = 0; r < R; ++r) acc[m][r] = Isa::zero();
+    for (int64_t k = 0; k < K; k += 2 * P) {
+      Vec even[R], odd[R];
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < R; ++r) Isa::widen(w + r * K + k, even[r], odd[r]);
+#pragma GCC unroll 4
+      for (int64_t m = 0; m < MB; ++m) {
+        const Vec xe = Isa::load(x + m * K + k), xo = Isa::load(x + m * K + k + P);
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < R; ++r) {
+          acc[m][r] = Isa::fma(xo, odd[r], Isa::fma(xe, even[r], acc[m][r]));
+        }
+      }
+    }
+    for (int64_t m = 0; m < MB; ++m)
+      for (int64_t r = 0; r < R; ++r) out[m * out_stride + r] = Isa::sum(acc[m][r]);
+  }
+
+  // x as this path reads it: float32 [M, K], each step's pairs split into even, odd.
+  static at::Tensor prepare(const at::Tensor& x) {
+    const at::Tensor xc = x.contiguous();
+    at::Tensor out = at::empty(xc.sizes(), xc.options().dtype(at::kFloat));
+    if (xc.scalar_type() == at::kBFloat16) {
+      deinterleave(xc.data_ptr<at::BFloat16>(), out.data_ptr<float>(), xc.numel());
+    } else {
+      deinterleave(xc.data_ptr<float>(), out.data_ptr<float>(), xc.numel());
+    }
+    return out;
+  }
+
+  template <typename scalar_t>
+  static void deinterleave(const scalar_t* src, float* dst, int64_t n) {
+    constexpr int64_t P = Isa::kPairs;
+    for (int64_t i = 0; i < n; i += 2 * P) {
+      for (int64_t j = 0; j < P; ++j) {
+        dst[i + j] = static_cast<float>(src[i + 2 * j]);
+        dst[i + P + j] = static_cast<float>(src[i + 2 * j + 1]);
+      }
+    }
+  }
+};
+
+#if defined(CPU_CAPABILITY_AVX512)
+#define KVMESH_AVX512BF16 __attribute__((target("avx512bf16")))
+
+// The AVX512-BF16 path: x bfloat16 as it is; vdpbf16ps multiplies the pairs.
+struct Avx512Bf16 {
+  using X = uint16_t;
+  static constexpr int64_t kBlockRows = 4;
+
+  template <int64_t MB, int64_t R>
+  KVMESH_AVX512BF16 static void dot_block(const uint16_t* x, const uint16_t* w, int64_t K,
+                                          float* out, int64_t out_stride) {
+    __m512 acc[MB][R];
+    for (int64_t m = 0; m < MB; ++m)
+      for (int64_t r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += kKMultiple) {
+      __m512bh wv[R];
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k);
+#pragma GCC unroll 4
+      for (int64_t m = 0; m < MB; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+      }
+    }
+    for (int64_t m = 0; m < MB; ++m)
+      for (int64_t r = 0; r < R; ++r) out[m * out_stride + r] = _mm512_reduce_add_ps(acc[m][r]);
+  }
+
+  static at::Tensor prepare(const at::Tensor& x) { return x.contiguous(); }
+};
+#endif
+
+// Path::dot_block for a run-time block of mb (1..kBlock) rows of x.
+template <typename Path, int64_t R>
+void dot_block_of(int64_t mb, const typename Path::X* x, const uint16_t* w, int64_t K,
+                  float* out, int64_t out_stride) {
+  switch (mb) {
+    case 1: Path::template dot_block<1, R>(x, w, K, out, out_stride); break;
+    case 2: Path::template dot_block<2, R>(x, w, K, out, out_stride); break;
+    case 3: Path::template dot_block<3, R>(x, w, K, out, out_stride); break;
+    default: Path::template dot_block<4, R>(x, w, K, out, out_stride); break;
+  }
+}
+
+// dots[m * kRows + r] for mb rows of x and the group's `rows` weight rows.
+template <typename Path>
+void dot_group(const typename Path::X* x, int64_t mb, const uint16_t* w, int64_t rows,
+               int64_t K, float* dots) {
+  if (rows == kRows && mb == 1) {
+    Path::template dot_block<1, kRows>(x, w, K, dots, kRows);
+  } else if (rows == kRows) {
+    for (int64_t r0 = 0; r0 < kRows; r0 += Path::kBlockRows) {
+      dot_block_of<Path, Path::kBlockRows>(mb, x, w + r0 * K, K, dots + r0, kRows);
+    }
+  } else {
+    for (int64_t r = 0; r < rows; ++r) dot_block_of<Path, 1>(mb, x, w + r * K, K, dots + r, kRows);
+  }
+}
+
+template <typename Path, typename scalar_t>
+void bf16_linear_kernel(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const at::Tensor xp = Path::prepare(x);
+  const auto* xs = reinterpret_cast<const typename Path::X*>(xp.data_ptr());
+  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int64_t num_groups = (N + kRows - 1) / kRows;
+  const int64_t per_thread = (num_groups + at::get_num_threads() - 1) / at::get_num_threads();
+  at::parallel_for(0, num_groups, per_thread, [&](int64_t begin, int64_t end) {
+    float dots[kBlock * kRows];
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * kRows, rows = std::min(kRows, N - n0);
+      if (g + 1 < end) {  // the next group's rows, while this one computes
+        const char* next = reinterpret_cast<const char*>(w + (n0 + kRows) * K);
+        const int64_t next_bytes = std::min(kRows, N - n0 - kRows) * K * 2;
+        for (int64_t i = 0; i < next_bytes; i += 64) _mm_prefetch(next + i, _MM_HINT_T0);
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += kBlock) {  // the group's weights stay in L1
+        const int64_t mb = std::min(kBlock, M - m0);
+        dot_group<Path>(xs + m0 * K, mb, w + n0 * K, rows, K, dots);
+        for (int64_t m = 0; m < mb; ++m) {
+          for (int64_t r = 0; r < rows; ++r) {
+            o[(m0 + m) * N + n0 + r] = static_cast<scalar_t>(dots[m * kRows + r]);
+          }
+        }
+      }
+    }
+  });
+}
+
+template <typename Path>
+void run(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out) {
+  if (x.scalar_type() == at::kBFloat16) {
+    bf16_linear_kernel<Path, at::BFloat16>(x, weight, out);
+  } else {
+    bf16_linear_kernel<Path, float>(x, weight, out);
+  }
+}
+
+at::Tensor bf16_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
+                           c10::string_view path) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
+              weight.is_contiguous(), "weight must be contiguous bfloat16 [N, K], got ",
+              weight.scalar_type(), " ", weight.sizes());
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be float32 or bfloat16 [M, K], got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(x.size(1) == weight.size(1) && x.size(1) % kKMultiple == 0,
+              "x [M, K] and weight [N, K] must share K, a multiple of ", kKMultiple, ", got x ",
+              x.sizes(), " and weight ", weight.sizes());
+  const std::string_view name(path.data(), path.size());
+  const bool bf16_x = x.scalar_type() == at::kBFloat16;
+  at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
+#if defined(CPU_CAPABILITY_AVX512)
+  const bool has_bf16 = __builtin_cpu_supports("avx512bf16");
+  if (name == "avx512bf16" || (name == "auto" && bf16_x && has_bf16)) {
+    TORCH_CHECK(bf16_x && has_bf16, "path avx512bf16 needs bfloat16 x and a CPU with "
+                "AVX512-BF16, got x ", x.scalar_type(), (has_bf16 ? "" : " on a CPU without it"));
+    run<Avx512Bf16>(x, weight, out);
+    return out;
+  }
+  if (name == "auto" || name == "avx512f") {
+    run<Widen<Avx512F>>(x, weight, out);
+    return out;
+  }
+#endif
+  TORCH_CHECK(name == "auto" || name == "avx2", "unknown path '", name, "': this build has ",
+              kPaths);
+  run<Widen<Avx2>>(x, weight, out);
+  return out;
+}
+
+// Output shape for torch.compile's tracing (fake tensors run the Meta kernel).
+at::Tensor bf16_linear_meta(const at::Tensor& x, const at::Tensor& weight, c10::string_view) {
+  return at::empty({x.size(0), weight.size(0)}, x.options());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
+  m.def("bf16_linear_cpu(Tensor x, Tensor weight, str path=\"auto\") -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
+  m.impl("bf16_linear_cpu", &bf16_linear_cpu);
+}
+
+TORCH_LIBRARY_IMPL(kvmesh, Meta, m) {
+  m.impl("bf16_linear_cpu", &bf16_linear_meta);
+}
+#endif  // CPU_CAPABILITY_AVX512 || CPU_CAPABILITY_AVX2
