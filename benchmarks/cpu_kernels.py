@@ -1,0 +1,120 @@
+"""Linear kernels for a decode step on the CPU, per number of rows, on SmolLM2-135M's shapes.
+
+For each weight shape and M rows of activations: microseconds per call and GB/s of
+weight read (the weight's bytes / time) for kvmesh's GGUF kernel (Q4_0, Q4_1, Q8_0;
+its AVX512-VNNI path where the CPU has one, and its AVX2 path), torch's ``F.linear``
+in bfloat16 and float32 (oneDNN), and kvmesh's weight-only int8 kernel. The table
+is what a dispatch choice (rows x instruction set -> kernel) reads.
+
+Decode streams the weights from memory (the model's blocks are bigger than the
+last-level cache), so every call reads a different copy of the weight, cycling
+through copies that together exceed the L3 cache; every call is timed over a few
+passes and the median call is quoted (the machine is shared). The first line is the
+machine's read bandwidth: ``Tensor.sum()`` over 256 MiB of float32 with the same
+threads, median of its repeats.
+
+    .venv/bin/python -m benchmarks.cpu_kernels --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels import gguf_quants
+from kernels.cpu_extension import has_cpu_kernel
+from kernels.gguf_quants import GGMLQuantizationType
+
+# SmolLM2-135M: hidden 576, intermediate 1536, 9 heads x 64, 3 KV heads, vocab 49152.
+SHAPES = {"q_proj/o_proj": (576, 576), "k_proj/v_proj": (192, 576),
+          "gate/up_proj": (1536, 576), "down_proj": (576, 1536), "lm_head": (49152, 576)}
+NUM_ROWS = (1, 2, 4, 8, 16, 32)
+COPIES_BYTES = 96 << 20  # > 2x this machine's L3 (35.8 MiB): each call reads from memory
+
+
+def cpu_line() -> str:
+    fields = dict(line.split(":", 1) for line in subprocess.run(
+        ["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines() if ":" in line)
+    flags = [f for f in fields.get("Flags", "").split() if f == "avx2" or "vnni" in f]
+    return f"CPU: {fields.get('Model name', '?').strip()}; {' '.join(flags)}; " \
+           f"L3 {fields.get('L3 cache', '?').strip()}"
+
+
+def median_call_s(call: Callable[[int], object], num_copies: int, repeats: int) -> float:
+    """Median of every call's time over ``repeats`` passes over the copies (a median
+    of calls, not of passes: on a shared machine a pass often holds a stall)."""
+    call(0)
+    times = []
+    for _ in range(repeats):
+        for i in range(num_copies):
+            start = time.perf_counter()
+            call(i)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def read_bandwidth_gb_s(repeats: int) -> float:
+    data = torch.ones(64 << 20)
+    return data.numel() * 4 / median_call_s(lambda i: data.sum(), 1, repeats) / 1e9
+
+
+def candidates(out_features: int, in_features: int) -> dict[str, tuple[list, Callable]]:
+    """Kernel name -> (weight copies, call(x_float32, copy) -> out); x's dtype is the
+    kernel's own (bfloat16 for bfloat16's F.linear)."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=gen) * 0.05
+
+    def copies(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        num_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        return [tuple(t.clone() for t in tensors) for _ in range(max(1, COPIES_BYTES // num_bytes))]
+
+    kernels = {}
+    if has_cpu_kernel("gguf_linear_cpu"):
+        for quant_type in GGMLQuantizationType:
+            qweight = copies(gguf_quants.quantize(weight, quant_type))
+            for path, use_vnni in (("vnni", True), ("avx2", False)):
+                kernels[f"{quant_type.name} {path}"] = (
+                    qweight, lambda x, w, t=int(quant_type), v=use_vnni:
+                    torch.ops.kvmesh.gguf_linear_cpu(x, w[0], t, v))
+    kernels["bf16 F.linear"] = (copies(weight.bfloat16()),
+                                lambda x, w: F.linear(x.bfloat16(), w[0]))
+    kernels["f32 F.linear"] = (copies(weight), lambda x, w: F.linear(x, w[0]))
+    if has_cpu_kernel("int8_linear_cpu"):
+        scales = weight.abs().amax(dim=1) / 127
+        qweight = torch.round(weight / scales[:, None]).to(torch.int8)
+        kernels["int8"] = (copies(qweight, scales),
+                           lambda x, w: torch.ops.kvmesh.int8_linear_cpu(x, w[0], w[1]))
+    return kernels
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(cpu_line())
+    print(f"threads {args.threads}; read bandwidth (Tensor.sum over 256 MiB float32): "
+          f"{read_bandwidth_gb_s(args.repeats):.1f} GB/s; x float32 (bfloat16 for bf16 F.linear)")
+    for name, (out_features, in_features) in SHAPES.items():
+        kernels = candidates(out_features, in_features)
+        print(f"\n{name} [{out_features} x {in_features}]: us per call (GB/s of weight read)")
+        print(f"{'M':>3} " + "".join(f"{k:>18}" for k in kernels))
+        for num_rows in NUM_ROWS:
+            x = torch.randn(num_rows, in_features)
+            cells = []
+            for copies, call in kernels.values():
+                seconds = median_call_s(lambda i: call(x, copies[i]), len(copies), args.repeats)
+                num_bytes = sum(t.numel() * t.element_size() for t in copies[0])
+                cells.append(f"{seconds * 1e6:10.1f} ({num_bytes / seconds / 1e9:4.1f})")
+            print(f"{num_rows:>3} " + "".join(f"{c:>18}" for c in cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
