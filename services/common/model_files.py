@@ -101,6 +101,22 @@ def resolve_model_dir(model: str | os.PathLike | None = None) -> Path:
     )
 
 
+def resolve_gguf_path(model: str | os.PathLike | None = None) -> Path:
+    """The GGUF file behind a model argument (as ``resolve_model_dir`` reads it),
+    the cache directory a GGUF was dequantized into included; ValueError for
+    any other Hugging Face directory, which has none."""
+    if model is None or str(model) in (DEFAULT_MODEL_NAME, "default"):
+        return default_gguf_path()
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    marker = path / ".complete"  # written by dequantize_gguf: the file it came from
+    if path.is_dir() and marker.exists() and Path(marker.read_text().strip()).is_file():
+        return Path(marker.read_text().strip())
+    raise ValueError(f"model {str(model)!r} is not a .gguf file: quantization 'gguf' serves "
+                     "a GGUF file's own weights")
+
+
 def main() -> None:
     print(resolve_model_dir())
 

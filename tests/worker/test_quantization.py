@@ -127,7 +127,7 @@ def test_int8_perplexity_within_two_percent_of_bfloat16(default_model_dir: Path)
 
 
 def test_quantization_is_validated() -> None:
-    with pytest.raises(ValueError, match="quantization is 'int4'; allowed: None, int8"):
+    with pytest.raises(ValueError, match="quantization is 'int4'; allowed: None, int8, gguf"):
         WorkerConfig(quantization="int4")
     with pytest.raises(ValueError, match="runs on the CPU only"):
         WorkerConfig(quantization="int8", device="cuda")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -23,6 +23,8 @@ from services.worker.attention import Attention, AttentionMetadata
 from services.worker.compilation import private_copy
 from services.worker.config import ModelConfig
 from services.worker.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_emb
+from services.worker.gguf_weights import QuantizedWeight, fuse_quantized
+from services.worker.layers.gguf_linear import GGUFLinear
 from services.worker.layers.packed_linear import PackedLinear, can_pack, pack_linears_
 from services.worker.layers.quantization import Int8Linear, quantize_linears_int8
 
@@ -33,6 +35,14 @@ _STACKED_PARAMS = (
     (".qkv_proj.", ".v_proj.", "v"),
     (".gate_up_proj.", ".gate_proj.", "gate"),
     (".gate_up_proj.", ".up_proj.", "up"),
+)
+# Each linear layer of a decoder layer: (its module, its name, the checkpoint
+# weights stacked into it by rows, in order).
+_CHECKPOINT_PARTS = (
+    ("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    ("self_attn", "o_proj", ("o_proj",)),
+    ("mlp", "gate_up_proj", ("gate_proj", "up_proj")),
+    ("mlp", "down_proj", ("down_proj",)),
 )
 
 
@@ -301,7 +311,7 @@ class LlamaForCausalLM(nn.Module):
         (any float dtype) when given. A plain head of ``out``'s dtype writes straight
         into it; the others (int8, prepacked: their kernels have no ``out`` form; or
         a dtype change) return their own [n, vocab_size] result, copied in."""
-        if isinstance(self.lm_head, (Int8Linear, PackedLinear)):
+        if isinstance(self.lm_head, (Int8Linear, PackedLinear, GGUFLinear)):
             logits = self.lm_head(hidden_states)
         elif out is not None and out.dtype == hidden_states.dtype:
             return torch.mm(hidden_states, self.lm_head.weight.t(), out=out)
@@ -320,6 +330,32 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Int8Linear.from_float(self.lm_head.weight, None, dtype)
         self.to(dtype)
         self.config = dataclasses.replace(self.config, dtype=dtype)
+
+    def use_gguf_weights_(self, weights: Mapping[str, QuantizedWeight]) -> int:
+        """Serves each linear layer, and the LM head, from a GGUF file's own blocks
+        (``GGUFLinear``) where ``weights`` (Hugging Face names) holds every part
+        of it in one block type; returns how many layers were replaced.
+
+        Call after ``load_weights``: biases, norms and the embedding table stay
+        the float ones loaded there. A tied head multiplies the embedding's blocks.
+        """
+        count = 0
+        for i, layer in enumerate(self.model.layers):
+            for owner, name, parts in _CHECKPOINT_PARTS:
+                module = getattr(layer, owner)
+                quantized = fuse_quantized([weights.get(f"model.layers.{i}.{owner}.{part}.weight")
+                                            for part in parts])
+                if quantized is not None:
+                    setattr(module, name, GGUFLinear(quantized.data, quantized.quant_type,
+                                                     quantized.in_features,
+                                                     getattr(module, name).bias))
+                    count += 1
+        head = weights.get("model.embed_tokens.weight" if self.config.tie_word_embeddings
+                           else "lm_head.weight")
+        if head is not None:
+            self.lm_head = GGUFLinear(head.data, head.quant_type, head.in_features)
+            count += 1
+        return count
 
     def pack_weights_(self) -> int:
         """Prepacks every float linear layer and the LM head for oneDNN (CPU; see

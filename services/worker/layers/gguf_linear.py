@@ -1,0 +1,86 @@
+"""Linear layers on a GGUF file's own quantized blocks (``quantization="gguf"``, CPU).
+
+The weight stays as the file stores it (Q4_0, Q4_1 or Q8_0 blocks of 32,
+``kernels.gguf_quants``). A few rows (decode, a request and its drafts) go to
+``kernels.gguf_linear`` (kvmesh's C++ kernel: activations quantized to int8
+per block, integer dot products, as llama.cpp does), which reads the blocks
+once. Many rows (prefill) are compute-bound: there the weight is dequantized
+a chunk of output channels at a time and multiplied by torch's GEMM, the
+activations unquantized. Where one ends and the other begins is measured per
+machine (``DEQUANTIZE_MIN_ROWS``, benchmarks/cpu_kernels.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import gguf_quants
+from kernels.gguf_linear_cpu import gguf_linear
+
+# Rows of activations from which dequantize-then-GEMM beats the block kernel.
+DEQUANTIZE_MIN_ROWS = 32
+# The largest dequantized weight (bytes) a dequantize-then-GEMM call materializes.
+_DEQUANTIZE_CHUNK_BYTES = 8 << 20
+
+
+@torch.library.custom_op("kvmesh::gguf_dequantize", mutates_args=())
+def gguf_dequantize(qweight: torch.Tensor, quant_type: int, in_features: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """``qweight``'s rows as a float matrix [rows, ``in_features``] of ``dtype``
+    (an op, so that compiled graphs call it rather than trace its byte views)."""
+    return gguf_quants.dequantize(qweight, quant_type, in_features).to(dtype)
+
+
+@gguf_dequantize.register_fake
+def _gguf_dequantize_fake(qweight: torch.Tensor, quant_type: int, in_features: int,
+                          dtype: torch.dtype) -> torch.Tensor:
+    return qweight.new_empty(qweight.shape[0], in_features, dtype=dtype)
+
+
+class GGUFLinear(nn.Module):
+    """``y = x @ W.T + bias`` with W [out, in] kept as GGUF blocks.
+
+    ``qweight``: uint8 [out_features, in_features / 32 * block bytes] of
+    ``quant_type``; ``x``: [..., in_features], float32 or bfloat16; the output
+    has ``x``'s dtype. Holds buffers, no parameters.
+    """
+
+    def __init__(self, qweight: torch.Tensor, quant_type: int, in_features: int,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        expected = gguf_quants.row_bytes(quant_type, in_features)
+        if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.shape[1] != expected:
+            raise ValueError(f"qweight must be uint8 [out_features, {expected}] for "
+                             f"{gguf_quants.GGMLQuantizationType(quant_type).name} with "
+                             f"in_features={in_features}, got {qweight.dtype} "
+                             f"{tuple(qweight.shape)}")
+        self.quant_type = int(gguf_quants.GGMLQuantizationType(quant_type))
+        self.in_features, self.out_features = in_features, qweight.shape[0]
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] >= DEQUANTIZE_MIN_ROWS:
+            out = self._dequantized_linear(rows)
+        else:
+            out = gguf_linear(rows.contiguous(), self.qweight, self.quant_type)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _dequantized_linear(self, rows: torch.Tensor) -> torch.Tensor:
+        """The GEMM on the weight dequantized to ``rows``' dtype, a chunk of output
+        channels at a time (a temporary above glibc's mmap threshold is mapped
+        afresh on every call; see layers/quantization.py)."""
+        chunk = max(1, _DEQUANTIZE_CHUNK_BYTES // (self.in_features * rows.element_size()))
+        outs = [F.linear(rows, gguf_dequantize(self.qweight[start:start + chunk],
+                                               self.quant_type, self.in_features, rows.dtype))
+                for start in range(0, self.out_features, chunk)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    def extra_repr(self) -> str:
+        name = gguf_quants.GGMLQuantizationType(self.quant_type).name
+        return f"in_features={self.in_features}, out_features={self.out_features}, {name}"
