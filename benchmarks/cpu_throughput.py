@@ -5,7 +5,10 @@ Tables, every system measured in the same process and the same run:
     at once; 128 output tokens each, greedy, EOS ignored. kvmesh float32 / bfloat16 /
     int8 (the engine loop: scheduler + worker in-process), transformers ``generate()``
     float32 / bfloat16 (batched, left-padded), llama.cpp (llama-cpp-python on the
-    default model's own GGUF, Q4_1, 2 threads; single stream only);
+    default model's own GGUF, Q4_1, 2 threads; single stream only), vLLM's CPU build
+    bfloat16 / float32 (issue 24: its own venv ``.venv-vllm``, one process per dtype
+    after the others, its repeats inside it; see ``benchmarks/peers/vllm_cpu.py``),
+    all on the same token-id prompts;
   * prefill tok/s of one 1,000-token prompt: kvmesh's step against transformers'
     forward pass at the same dtype, and llama.cpp's prompt evaluation;
   * per-layer decode attention at contexts 128 / 1,024 / 4,096 (batch 1 and 64):
@@ -17,8 +20,11 @@ Tables, every system measured in the same process and the same run:
 
     .venv/bin/python -m benchmarks.cpu_throughput --threads 2 --repeats 3
 
-llama.cpp needs the optional ``bench`` extra (``make bench`` installs it). The
-machine is shared: systems alternate within each repeat and medians are quoted.
+llama.cpp needs the optional ``bench`` extra (``make bench`` installs it), vLLM the
+venv ``benchmarks/peers/setup_vllm_cpu.sh`` makes (``make bench`` runs it). The
+machine is shared: in-process systems alternate within each repeat and medians
+are quoted. The CPU's model name and its vector flags (from ``lscpu``) head the
+output.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from benchmarks.peers.vllm_cpu import SETUP_SCRIPT, VllmResult, run_vllm, vllm_python
 from benchmarks.worker_throughput import greedy, hf_generate_tok_s, make_prompts, step
 from kernels.paged_attention import paged_attention_ref
 from kernels.paged_attention_cpu import paged_attention_cpu, plan_paged_attention_cpu
@@ -45,9 +52,11 @@ from services.scheduler.config import SchedulingOptions
 from services.worker.config import WorkerConfig
 
 KVMESH_VARIANTS = {"kvmesh float32": ("float32", None), "kvmesh bfloat16": ("bfloat16", None),
-                   "kvmesh int8": ("bfloat16", "int8")}
+                   "kvmesh int8": ("bfloat16", "int8"),
+                   "kvmesh gguf Q4_1 float32": ("float32", "gguf")}
 HF_VARIANTS = {"transformers float32": torch.float32, "transformers bfloat16": torch.bfloat16}
 LLAMA_CPP = "llama.cpp Q4_1"
+VLLM_VARIANTS = {"vLLM CPU bfloat16": "bfloat16", "vLLM CPU float32": "float32"}
 PREFILL_LEN = 1000
 
 
@@ -117,6 +126,30 @@ def llama_cpp_prefill_tok_s(llm, prompt: list[int]) -> float:
     return len(prompt) / (time.perf_counter() - start)
 
 
+# ------------------------------------------------------------------------ vLLM
+def run_vllm_peers(args, model_dir, prompts: list[list[int]]) -> dict[str, VllmResult]:
+    """vLLM's CPU build per dtype on the same prompts, each in its own process after the
+    in-process systems (its engine and OpenMP threads never beside theirs). Empty when
+    skipped or ``.venv-vllm`` is missing; a dtype whose runner fails is reported and
+    left out."""
+    if args.skip_vllm:
+        return {}
+    if vllm_python() is None:
+        print(f"vLLM peer skipped: no finished .venv-vllm; make it with {SETUP_SCRIPT}")
+        return {}
+    results = {}
+    for name, dtype in VLLM_VARIANTS.items():
+        try:
+            results[name] = run_vllm(model_dir, dtype, prompts[: args.num_single], prompts,
+                                     args.output_len, args.repeats, args.threads)
+        except RuntimeError as err:
+            print(f"{name} failed, left out: {err}")
+            continue
+        print(f"{name}: start-up {results[name].startup_s:.1f} s, single "
+              f"{results[name].single_tok_s}, batched {results[name].batched_tok_s}", flush=True)
+    return results
+
+
 # ------------------------------------------------------------------- attention
 @torch.inference_mode()  # as the worker runs it (grad mode is part of what torch.compile guards)
 def attention_ms(batch: int, context: int, dtype: torch.dtype, repeats: int) -> tuple[float, float]:
@@ -176,8 +209,7 @@ def median_table(results: dict[str, list[float]]) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in results.items() if values}
 
 
-def run_generation(args, tokenizer, model_dir) -> tuple[dict, dict, dict]:
-    prompts = make_prompts(tokenizer, args.num_prompts)
+def run_generation(args, tokenizer, prompts: list[list[int]], model_dir) -> tuple[dict, dict, dict]:
     singles = prompts[: args.num_single]
     prefill_prompt = [2000 + i % 30000 for i in range(PREFILL_LEN)]
     engines = {name: make_kvmesh(dtype, quant, args.num_prompts)
@@ -221,7 +253,8 @@ def print_generation(single: dict, batched: dict, prefill: dict, args) -> None:
     print("|---|---:|---:|---:|")
     for name in single:
         many = f"{batched[name]:.1f}" if name in batched else "—"
-        print(f"| {name} | {single[name]:.1f} | {many} | {prefill[name]:.0f} |")
+        first = f"{prefill[name]:.0f}" if name in prefill else "—"
+        print(f"| {name} | {single[name]:.1f} | {many} | {first} |")
     hf32, hf16 = batched["transformers float32"], batched["transformers bfloat16"]
     print("\nratios (goals: int8 single >= 1.0x llama.cpp; bf16 single >= 0.6x llama.cpp; "
           "64 streams >= 2x transformers same dtype and >= 3x transformers float32)")
@@ -232,6 +265,37 @@ def print_generation(single: dict, batched: dict, prefill: dict, args) -> None:
         if LLAMA_CPP in single:
             line += f"; single stream {single[name] / single[LLAMA_CPP]:.2f}x llama.cpp"
         print(line)
+
+
+def print_vllm_ratios(single: dict, batched: dict) -> None:
+    """kvmesh over vLLM at 1 stream (bfloat16 against bfloat16) and at 64 streams (each
+    at its best dtype), beside the issue's goals; silent without vLLM rows."""
+    vllm = [name for name in VLLM_VARIANTS if name in batched]
+    if not vllm:
+        return
+    print("\nratios kvmesh / vLLM CPU (goals: single stream bfloat16 >= 1.5x vLLM bfloat16; "
+          "64 streams >= 1.3x, each at its best dtype)")
+    if "vLLM CPU bfloat16" in single:
+        print(f"  single stream, bfloat16: "
+              f"{single['kvmesh bfloat16'] / single['vLLM CPU bfloat16']:.2f}x")
+    ours = max(KVMESH_VARIANTS, key=lambda name: batched[name])
+    theirs = max(vllm, key=lambda name: batched[name])
+    print(f"  64 streams, best against best ({ours} / {theirs}): "
+          f"{batched[ours] / batched[theirs]:.2f}x")
+    for name in KVMESH_VARIANTS:
+        print(f"  {name}: single stream " + ", ".join(
+            f"{single[name] / single[peer]:.2f}x" for peer in vllm) + "; 64 streams " + ", ".join(
+            f"{batched[name] / batched[peer]:.2f}x" for peer in vllm) + f" ({' / '.join(vllm)})")
+
+
+def print_vllm_startup(results: dict[str, VllmResult]) -> None:
+    if not results:
+        return
+    print("\nvLLM CPU start-up (fresh process: import, load, KV cache, compilation, warm-up; "
+          "vLLM's compile cache as this machine left it)")
+    print("| dtype | seconds |\n|---|---:|")
+    for name, result in results.items():
+        print(f"| {name} | {result.startup_s:.1f} |")
 
 
 def print_attention(args) -> None:
@@ -256,6 +320,17 @@ def print_startup(args) -> None:
           f"| on, warm caches | {warm:.1f} |\n| off (C++ kernels already built) | {eager:.1f} |")
 
 
+def cpu_description() -> str:
+    """``lscpu``'s model name and the flags that pick kernels: AVX2, AVX-512, AMX,
+    VNNI, bfloat16."""
+    fields = dict(line.split(":", 1) for line in subprocess.run(
+        ["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines() if ":" in line)
+    flags = [flag for flag in fields.get("Flags", "").split()
+             if flag == "avx2" or flag.startswith(("avx512", "amx")) or "vnni" in flag
+             or "bf16" in flag]
+    return f"CPU: {fields.get('Model name', '?').strip()}; flags: {' '.join(flags) or 'none'}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -268,14 +343,25 @@ def main() -> None:
     parser.add_argument("--skip-llama-cpp", action="store_true")
     parser.add_argument("--skip-generation", action="store_true")
     parser.add_argument("--skip-startup", action="store_true")
+    parser.add_argument("--skip-vllm", action="store_true",
+                        help="leave out vLLM's CPU build (in .venv-vllm)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(None)
     print(f"SmolLM2-135M-Instruct, CPU {torch.backends.cpu.get_cpu_capability()}, "
           f"torch {torch.__version__}, {args.threads} threads")
+    print(cpu_description())
     if not args.skip_generation:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        print_generation(*run_generation(args, tokenizer, model_dir), args)
+        prompts = make_prompts(tokenizer, args.num_prompts)
+        single, batched, prefill = run_generation(args, tokenizer, prompts, model_dir)
+        vllm = run_vllm_peers(args, model_dir, prompts)
+        for name, result in vllm.items():
+            single[name] = statistics.median(result.single_tok_s)
+            batched[name] = statistics.median(result.batched_tok_s)
+        print_generation(single, batched, prefill, args)
+        print_vllm_ratios(single, batched)
+        print_vllm_startup(vllm)
     print_attention(args)
     if not args.skip_startup:
         print_startup(args)
