@@ -6,13 +6,13 @@ seconds cold), so, as vLLM's ``compile_or_warm_up_model``, the worker runs
 made-up steps first, one for each compiled variant a real step can need:
 
 * a prefill at least ``DEQUANTIZE_MIN_ROWS`` tokens long: the pieces for wide
-  batches (int8 layers dequantize), the prefill attention;
+  batches (int8 and GGUF layers dequantize), the prefill attention;
 * two short prefills, beside one decode and then two: the pieces for narrow
   batches, the decode attention of mixed steps (one row, then several);
 * a decode of three requests, then of one: the decode step's graph for dynamic
   batches and torch's batch-of-one specialization;
 * where the batch can hold them, ``DEQUANTIZE_MIN_ROWS`` one-token prompts: a
-  step shaped as a decode that wide (int8 layers dequantize).
+  step shaped as a decode that wide (int8 and GGUF layers dequantize).
 
 They write garbage K/V into blocks from 1 on, which no request owns yet;
 block 0, the null block, is never touched.

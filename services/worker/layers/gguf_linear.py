@@ -6,8 +6,9 @@ The weight stays as the file stores it (Q4_0, Q4_1 or Q8_0 blocks of 32,
 per block, integer dot products, as llama.cpp does), which reads the blocks
 once. Many rows (prefill) are compute-bound: there the weight is dequantized
 a chunk of output channels at a time and multiplied by torch's GEMM, the
-activations unquantized. Where one ends and the other begins is measured per
-machine (``DEQUANTIZE_MIN_ROWS``, benchmarks/cpu_kernels.py).
+activations unquantized. Where one ends and the other begins
+(``DEQUANTIZE_MIN_ROWS``) was measured on one machine so far
+(benchmarks/cpu_kernels.py); a table measured per machine is still to come.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from torch import nn
 
 from kernels import gguf_quants
 from kernels.gguf_linear_cpu import gguf_linear
-
-# Rows of activations from which dequantize-then-GEMM beats the block kernel.
-DEQUANTIZE_MIN_ROWS = 32
+# Rows of activations from which dequantize-then-GEMM beats the block kernel:
+# int8's, as measured for these blocks too (benchmarks/cpu_kernels.py: at 32
+# rows the two cost about the same), and the width warm-up compiles for.
+from services.worker.layers.quantization import DEQUANTIZE_MIN_ROWS
 # The largest dequantized weight (bytes) a dequantize-then-GEMM call materializes.
 _DEQUANTIZE_CHUNK_BYTES = 8 << 20
 
