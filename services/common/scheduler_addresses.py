@@ -1,11 +1,14 @@
 """Where the schedulers (cells) are: a list of addresses, or a DNS name with several.
 
 ``--scheduler-address`` on frontends and workers takes ``HOST:PORT[,HOST:PORT...]``.
-A host that resolves to several IP addresses (a Kubernetes headless Service
-over the scheduler StatefulSet) stands for one scheduler per address; callers
-resolve again from time to time, so cells that come and go are seen. A name
-that resolves to one address, or not at all (yet), is dialed by name: gRPC
-resolves it itself and retries.
+A host name stands for one scheduler per IP address it resolves to (a
+Kubernetes headless Service over the scheduler StatefulSet, compose's name of
+a scaled service); callers resolve again from time to time, so cells that come
+and go are seen. That holds for a name with one address too: a scaled name
+answers with one address while a replica restarts, and dialing it by name
+then would open a second stream to the same scheduler, counted as another
+cell. A name that does not resolve (yet) is dialed by name: gRPC resolves it
+itself and retries.
 """
 
 from __future__ import annotations
@@ -65,8 +68,9 @@ def _format(ip: str, port: int) -> str:
 def resolve_scheduler_targets(addresses: list[str]) -> list[SchedulerTarget]:
     """One target per scheduler, in a stable order (blocks on DNS: run on a thread).
 
-    IP literals and ``localhost`` stay as given; a name with several IPv4/IPv6
-    addresses becomes one target per address; any other name stays a name.
+    IP literals and ``localhost`` stay as given; a name becomes one target per
+    IPv4/IPv6 address it resolves to (TLS checks each against the name); a name
+    that does not resolve stays a name.
     """
     targets: dict[str, SchedulerTarget] = {}
     for address in addresses:
@@ -78,7 +82,7 @@ def resolve_scheduler_targets(addresses: list[str]) -> list[SchedulerTarget]:
             except OSError:
                 infos = []  # not resolvable yet: gRPC keeps trying the name
             ips = sorted({str(info[4][0]) for info in infos})
-        if len(ips) > 1:
+        if ips:
             for ip in ips:
                 target = SchedulerTarget(_format(ip, port), host)
                 targets.setdefault(target.address, target)

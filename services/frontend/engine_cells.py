@@ -195,8 +195,10 @@ class EngineCells:
                 self._add_cell(target)
         known = {target.address for target in targets}
         for address, cell in list(self.cells.items()):
-            if address not in known and not cell.client.connected and not cell.request_ids:
-                del self.cells[address]  # gone from DNS and down: forget it
+            # Gone from the list and idle: forget it (a name dialed before it
+            # resolved, now dialed by address, would otherwise count twice).
+            if address not in known and not cell.request_ids:
+                del self.cells[address]
                 await cell.client.close()
 
     def _add_cell(self, target: SchedulerTarget) -> None:
