@@ -46,8 +46,15 @@ def read_quantized_linears(gguf_path: Path, num_layers: int, num_heads: int,
                            num_kv_heads: int) -> dict[str, QuantizedWeight]:
     """Hugging Face name -> QuantizedWeight for every decoder linear weight and
     the embedding (a tied LM head's weight) stored in a served block type;
-    weights stored otherwise (F32, F16, K-quants) are left out: they stay float."""
+    weights stored otherwise (F32, F16, K-quants) are left out: they stay float.
+    ValueError for a file of another architecture than llama (whose q/k rows
+    llama.cpp's converter permutes; others it leaves alone)."""
     reader = gguf.GGUFReader(gguf_path)
+    field = reader.get_field("general.architecture")
+    architecture = field.contents() if field is not None else None
+    if architecture != "llama":
+        raise ValueError(f"quantization 'gguf' serves llama GGUF files; {gguf_path.name} is "
+                         f"{architecture!r}")
     by_gguf_name = {tensor.name: tensor for tensor in reader.tensors}
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, num_layers)
     hf_names = ["model.embed_tokens", "lm_head"] + [

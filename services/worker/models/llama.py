@@ -22,8 +22,8 @@ from torch.nn.utils import skip_init
 from services.worker.attention import Attention, AttentionMetadata
 from services.worker.compilation import private_copy
 from services.worker.config import ModelConfig
-from services.worker.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_emb
 from services.worker.gguf_weights import QuantizedWeight, fuse_quantized
+from services.worker.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_emb
 from services.worker.layers.gguf_linear import GGUFLinear
 from services.worker.layers.packed_linear import PackedLinear, can_pack, pack_linears_
 from services.worker.layers.quantization import Int8Linear, quantize_linears_int8
