@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -42,3 +44,17 @@ def test_fused_parts_stack_by_rows_only_when_alike() -> None:
     assert fuse_quantized([q, None]) is None  # a part stored otherwise stays float
     assert fuse_quantized([q, _weight(4, GGMLQuantizationType.Q8_0)]) is None
     assert fuse_quantized([q, _weight(4, GGMLQuantizationType.Q4_1, cols=96)]) is None
+
+
+def test_a_gguf_of_another_architecture_is_refused(tmp_path: Path) -> None:
+    """Only llama's converter permutes q/k rows: another architecture's would be
+    read wrong, so it is refused, naming it."""
+    path = tmp_path / "other.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((32, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="serves llama GGUF files; other.gguf is 'qwen2'"):
+        read_quantized_linears(path, num_layers=1, num_heads=1, num_kv_heads=1)
