@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from kernels import gguf_quants
 from kernels.gguf_linear_cpu import gguf_linear_ref
 from kernels.gguf_quants import GGMLQuantizationType
-from services.worker.layers import gguf_linear
+from services.worker.layers import gguf_linear, quantization
 from services.worker.layers.gguf_linear import DEQUANTIZE_MIN_ROWS, GGUFLinear
 from services.worker.model_loader import load_model
 from tests.worker.test_quantization import TEXT, perplexity
@@ -60,7 +60,7 @@ def test_dequantized_gemm_in_chunks_of_output_channels(monkeypatch: pytest.Monke
     layer, _ = _layer(GGMLQuantizationType.Q4_1, torch.float32)
     x = torch.randn(DEQUANTIZE_MIN_ROWS, 64, generator=torch.Generator().manual_seed(3))
     whole = layer(x)
-    monkeypatch.setattr(gguf_linear, "_DEQUANTIZE_CHUNK_BYTES", 7 * 64 * 4)  # chunks of 7
+    monkeypatch.setattr(quantization, "_DEQUANTIZE_CHUNK_BYTES", 7 * 64 * 4)  # chunks of 7
     assert torch.equal(layer(x), whole)
 
 

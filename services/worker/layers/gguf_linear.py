@@ -14,7 +14,6 @@ activations unquantized. Where one ends and the other begins
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import gguf_quants
@@ -22,9 +21,7 @@ from kernels.gguf_linear_cpu import gguf_linear
 # Rows of activations from which dequantize-then-GEMM beats the block kernel:
 # int8's, as measured for these blocks too (benchmarks/cpu_kernels.py: at 32
 # rows the two cost about the same), and the width warm-up compiles for.
-from services.worker.layers.quantization import DEQUANTIZE_MIN_ROWS
-# The largest dequantized weight (bytes) a dequantize-then-GEMM call materializes.
-_DEQUANTIZE_CHUNK_BYTES = 8 << 20
+from services.worker.layers.quantization import DEQUANTIZE_MIN_ROWS, linear_by_channel_chunks
 
 
 @torch.library.custom_op("kvmesh::gguf_dequantize", mutates_args=())
@@ -74,14 +71,10 @@ class GGUFLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def _dequantized_linear(self, rows: torch.Tensor) -> torch.Tensor:
-        """The GEMM on the weight dequantized to ``rows``' dtype, a chunk of output
-        channels at a time (a temporary above glibc's mmap threshold is mapped
-        afresh on every call; see layers/quantization.py)."""
-        chunk = max(1, _DEQUANTIZE_CHUNK_BYTES // (self.in_features * rows.element_size()))
-        outs = [F.linear(rows, gguf_dequantize(self.qweight[start:start + chunk],
-                                               self.quant_type, self.in_features, rows.dtype))
-                for start in range(0, self.out_features, chunk)]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return linear_by_channel_chunks(
+            rows, self.out_features,
+            lambda start, stop: gguf_dequantize(self.qweight[start:stop], self.quant_type,
+                                                self.in_features, rows.dtype))
 
     def extra_repr(self) -> str:
         name = gguf_quants.GGMLQuantizationType(self.quant_type).name

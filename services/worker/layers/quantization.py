@@ -11,6 +11,8 @@ faster than the int8 kernel: those dequantize the weight once per call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,6 +29,20 @@ DEQUANTIZE_MIN_ROWS = 32
 INT8_KERNEL_K_MULTIPLE = 32
 # The largest dequantized weight (bytes) a dequantize-then-GEMM call materializes.
 _DEQUANTIZE_CHUNK_BYTES = 8 << 20
+
+
+def linear_by_channel_chunks(rows: torch.Tensor, out_features: int,
+                             dequantize: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    """``rows`` @ W.T for a quantized W [out_features, in_features], whose output
+    channels [start, stop) ``dequantize(start, stop)`` gives in ``rows``' dtype:
+    the GEMM a chunk of channels at a time, at most ``_DEQUANTIZE_CHUNK_BYTES``
+    of weight each. A temporary weight above glibc's largest mmap threshold
+    (32 MB: the LM head's is 56 MB in bfloat16) is mapped afresh on every call,
+    and its page faults took 3x the GEMM's own time."""
+    chunk = max(1, _DEQUANTIZE_CHUNK_BYTES // (rows.shape[1] * rows.element_size()))
+    outs = [F.linear(rows, dequantize(start, min(start + chunk, out_features)))
+            for start in range(0, out_features, chunk)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
 def quantize_per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,15 +96,10 @@ class Int8Linear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def _dequantized_linear(self, rows: torch.Tensor) -> torch.Tensor:
-        """The GEMM on the weight dequantized to ``rows``' dtype, a chunk of output
-        channels at a time: a temporary weight above glibc's largest mmap threshold
-        (32 MB: the LM head's is 56 MB in bfloat16) is mapped afresh on every call,
-        and its page faults took 3x the GEMM's own time."""
-        chunk = max(1, _DEQUANTIZE_CHUNK_BYTES // (self.in_features * rows.element_size()))
-        outs = [F.linear(rows, self.qweight[start:start + chunk].to(rows.dtype)
-                         * self.scales[start:start + chunk, None])
-                for start in range(0, self.out_features, chunk)]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        out = linear_by_channel_chunks(
+            rows, self.out_features,
+            lambda start, stop: self.qweight[start:stop].to(rows.dtype)
+            * self.scales[start:stop, None])
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
