@@ -25,7 +25,7 @@ from services.common.engine import (
 )
 from services.common.limits import SchedulingLimits
 from services.common.model_runner_output import ModelRunnerOutput, RequestFailure
-from services.common.registration import WorkerRegistration
+from services.common.registration import LeaveRefused, LeaveRequest, WorkerRegistration
 from services.common.sampling_params import (
     RequestOutputKind,
     SamplingParams,
@@ -468,14 +468,23 @@ def runner_output_message(o: ModelRunnerOutput) -> spb.WorkerMessage:
     return spb.WorkerMessage(output=model_runner_output_to_proto(o))
 
 
-def worker_message_from_proto(msg: spb.WorkerMessage) -> WorkerRegistration | ModelRunnerOutput:
-    """A registration or a step's output; ValueError for an empty message."""
+def leave_message() -> spb.WorkerMessage:
+    return spb.WorkerMessage(leave=spb.LeaveRequest())
+
+
+def worker_message_from_proto(
+    msg: spb.WorkerMessage,
+) -> WorkerRegistration | ModelRunnerOutput | LeaveRequest:
+    """A registration, a step's output or a request to leave; ValueError for an
+    empty message."""
     kind = msg.WhichOneof("kind")
     if kind == "output":
         return model_runner_output_from_proto(msg.output)
     if kind == "registration":
         return _registration_from_proto(msg.registration)
-    raise ValueError("WorkerMessage has no kind set, must be registration or output")
+    if kind == "leave":
+        return LeaveRequest()
+    raise ValueError("WorkerMessage has no kind set, must be registration, output or leave")
 
 
 def registered_message(engine_index: int) -> spb.SchedulerMessage:
@@ -490,6 +499,10 @@ def drain_message() -> spb.SchedulerMessage:
     return spb.SchedulerMessage(drain=spb.Drain())
 
 
+def leave_refused_message(reason: str) -> spb.SchedulerMessage:
+    return spb.SchedulerMessage(leave_refused=spb.LeaveRefused(reason=reason))
+
+
 def registration_ack_from_proto(msg: spb.SchedulerMessage) -> int:
     """The engine index the scheduler gave this worker; ValueError if ``msg`` is no ack."""
     if msg.WhichOneof("kind") != "registered":
@@ -497,14 +510,18 @@ def registration_ack_from_proto(msg: spb.SchedulerMessage) -> int:
     return msg.registered.engine_index
 
 
-def scheduler_message_from_proto(msg: spb.SchedulerMessage) -> SchedulerOutput | None:
-    """A step to run, or None for Drain; ValueError for anything else."""
+def scheduler_message_from_proto(
+    msg: spb.SchedulerMessage,
+) -> SchedulerOutput | LeaveRefused | None:
+    """A step to run, a refused leave, or None for Drain; ValueError for anything else."""
     kind = msg.WhichOneof("kind")
     if kind == "step":
         return scheduler_output_from_proto(msg.step)
     if kind == "drain":
         return None
-    raise ValueError(f"expected a step or drain, got {kind!r}")
+    if kind == "leave_refused":
+        return LeaveRefused(msg.leave_refused.reason)
+    raise ValueError(f"expected a step, drain or leave_refused, got {kind!r}")
 
 
 def worker_stats_to_proto(worker_id: str, s: SchedulerStats) -> api_pb2.WorkerStats:

@@ -1,4 +1,6 @@
-"""`WorkerRegistration`: what a worker reports when it dials the scheduler."""
+"""A worker's membership of a cell: what it reports when it dials the scheduler
+(`WorkerRegistration`), and its asking to leave for another cell (`LeaveRequest`,
+`LeaveRefused`)."""
 
 from __future__ import annotations
 
@@ -35,3 +37,21 @@ class WorkerRegistration:
     dirty_block_ids: list[int] = field(default_factory=list)
     num_speculative_tokens: int = 0
     speculative_disable_by_batch_size: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LeaveRequest:
+    """A worker asks to move to another cell (kvmesh.v1.LeaveRequest).
+
+    The scheduler grants it by placing nothing more on the worker and sending
+    Drain once the worker's requests are done, so no request is cut off by
+    the move; or it answers `LeaveRefused`.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class LeaveRefused:
+    """The scheduler keeps the worker (kvmesh.v1.LeaveRefused): it is the cell's
+    last serving worker, or another one is leaving; ``reason`` says which."""
+
+    reason: str

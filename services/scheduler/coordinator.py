@@ -25,6 +25,7 @@ from services.common.engine import (
     FinishReason,
 )
 from services.common.cell_index import CellRecord
+from services.common.convert import leave_refused_message
 from services.common.model_files import DEFAULT_MODEL_NAME
 from services.common.registration import WorkerRegistration
 from services.common.stats import SchedulerStats
@@ -146,8 +147,7 @@ class Coordinator:
         req_id = request.request_id
         # Outputs route by the connection, whatever index the frontend wrote.
         request.client_index = client.client_index
-        if self.draining or not self.sessions:
-            why = "the scheduler is shutting down" if self.draining else "no worker is registered"
+        if (why := self._unavailable_reason()) is not None:
             self._refuse(client, req_id, grpc.StatusCode.UNAVAILABLE, why)
         elif req_id in client.request_ids:
             self._refuse(client, req_id, grpc.StatusCode.INVALID_ARGUMENT,
@@ -161,6 +161,20 @@ class Coordinator:
                 logger.info("event=request_taken_over request_id=%s", req_id)
                 self.abort_requests([req_id])
             self._place(client, req_id, lambda hasher: Request.from_engine_core_request(request, hasher))
+
+    def _unavailable_reason(self) -> str | None:
+        """Why no new request can be placed here; None when one can."""
+        if self.draining:
+            return "the scheduler is shutting down"
+        if not self.sessions:
+            return "no worker is registered"
+        if not self.serving_sessions():
+            return "every worker is leaving for another cell"
+        return None
+
+    def serving_sessions(self) -> list[WorkerSession]:
+        """The workers new requests may go to: all but those leaving the cell."""
+        return [s for s in self.sessions.values() if not s.leaving]
 
     def _validate(self, request: EngineCoreRequest) -> str | None:
         assert self.vocab_size is not None  # set by the first registration
@@ -203,7 +217,7 @@ class Coordinator:
     def _place(self, client: ClientStream, req_id: str, make_request: RequestFactory,
                num_failovers: int = 0) -> None:
         full: list[str] = []
-        for session, request, hit_tokens in self.router.rank(make_request, self.sessions.values()):
+        for session, request, hit_tokens in self.router.rank(make_request, self.serving_sessions()):
             try:
                 session.add_request(request)
             except WaitingQueueFullError as e:
@@ -316,6 +330,22 @@ class Coordinator:
                     scheduler.kv_cache_manager.num_cached_blocks)
         return session
 
+    def request_leave(self, session: WorkerSession) -> str | None:
+        """A worker asks to move to another cell: None when granted (``session.leave()``:
+        nothing new is placed on it, and it is drained once its requests are done),
+        else why not. The cell keeps at least one serving worker, so workers that
+        ask at once move one at a time."""
+        if self.sessions.get(session.worker_id) is not session or session.leaving:
+            return None if session.leaving else "the worker is not registered"
+        if self.draining:
+            return "the scheduler is shutting down"
+        if len(self.serving_sessions()) < 2:
+            return "it is the cell's last serving worker"
+        session.leave()
+        logger.info("event=worker_leaving worker=%s num_requests=%d", session.worker_id,
+                    len(session.scheduler.requests))
+        return None
+
     def remove_worker(self, session: WorkerSession, reason: str) -> None:
         """Ends the session and re-places its unfinished requests. Idempotent."""
         if self.sessions.get(session.worker_id) is not session:
@@ -328,8 +358,9 @@ class Coordinator:
         self.stores.release(session.store)
         logger.info("event=worker_removed worker=%s reason=%r num_requeued=%d",
                     session.worker_id, reason, len(orphans))
-        if not self.draining:
+        if not (self.draining or session.leaving):
             self.metrics.worker_failovers.labels(self.model).inc()
+        self._keep_a_serving_worker()
         for old in orphans:
             placement = self.placements.pop(old.request_id, None)
             if placement is None:
@@ -340,7 +371,7 @@ class Coordinator:
                 self._refuse(client, old.request_id, grpc.StatusCode.INTERNAL,
                              f"the request lost {placement.num_failovers + 1} workers (the last "
                              f"{session.worker_id}); it is not placed on another")
-            elif self.draining or not self.sessions:
+            elif self.draining or not self.serving_sessions():
                 why = ("the scheduler is shutting down" if self.draining
                        else f"worker {session.worker_id} was lost and no worker is left")
                 self._refuse(client, old.request_id, grpc.StatusCode.UNAVAILABLE, why)
@@ -353,6 +384,17 @@ class Coordinator:
             placement.client.request_ids.discard(req_id)
             self._refuse(placement.client, req_id, grpc.StatusCode.UNAVAILABLE,
                          f"worker {session.worker_id} was lost before answering")
+
+    def _keep_a_serving_worker(self) -> None:
+        """When no serving worker is left, workers granted a move that has not begun
+        stay (they are told so), so the cell does not empty itself."""
+        if self.draining or self.serving_sessions():
+            return
+        for session in self.sessions.values():
+            if session.stay():
+                session.outbox.put_nowait(leave_refused_message(
+                    "the cell's last other serving worker was lost"))
+                logger.info("event=worker_leave_revoked worker=%s", session.worker_id)
 
     def _on_session_failure(self, session: WorkerSession, error: BaseException) -> None:
         logger.error("event=worker_session_failed worker=%s error=%r", session.worker_id, error,
@@ -395,7 +437,7 @@ class Coordinator:
         yet (for a waiting request, less the prefix hit it was placed for)."""
         record = CellRecord(generation=self.cell_generation,
                             block_size=self.cell_index.block_size,
-                            num_workers=0 if self.draining else len(self.sessions),
+                            num_workers=0 if self.draining else len(self.serving_sessions()),
                             updated_ms=int(time.time() * 1000))
         for session in self.sessions.values():
             scheduler = session.scheduler
@@ -411,8 +453,8 @@ class Coordinator:
     # ------------------------------------------------------------ stats
 
     def stats(self, include_block_map: bool = False) -> list[tuple[str, SchedulerStats]]:
-        return [(worker_id, s.make_stats(include_block_map))
-                for worker_id, s in self.sessions.items()]
+        # A leaving worker is left out: it takes nothing new and is about to go.
+        return [(s.worker_id, s.make_stats(include_block_map)) for s in self.serving_sessions()]
 
     def metrics_snapshots(self) -> list[WorkerSnapshot]:
         now = time.monotonic()

@@ -18,11 +18,12 @@ from services.common.convert import (
     cluster_stats_to_proto,
     engine_core_outputs_to_proto,
     frontend_message_from_proto,
+    leave_refused_message,
     worker_message_from_proto,
 )
 from services.common.engine import EngineCoreRequest
 from services.common.model_runner_output import ModelRunnerOutput
-from services.common.registration import WorkerRegistration
+from services.common.registration import LeaveRequest, WorkerRegistration
 from services.common.rpc import KV_CACHE_ID_METADATA_KEY
 from services.scheduler.coordinator import ClientStream, Coordinator, RegistrationError
 from services.scheduler.worker_checks import WorkerProtocolError
@@ -115,10 +116,14 @@ class EngineCoreServicer(scheduler_pb2_grpc.EngineCoreServicer):
         reason = "worker closed its stream"
         try:
             async for message in request_iterator:
-                output = worker_message_from_proto(message)
-                if not isinstance(output, ModelRunnerOutput):
+                item = worker_message_from_proto(message)
+                if isinstance(item, LeaveRequest):
+                    if (refusal := self.coordinator.request_leave(session)) is not None:
+                        session.outbox.put_nowait(leave_refused_message(refusal))
+                    continue
+                if not isinstance(item, ModelRunnerOutput):
                     raise WorkerProtocolError(f"worker {session.worker_id} registered twice")
-                session.on_runner_output(output)
+                session.on_runner_output(item)
         except (WorkerProtocolError, ValueError) as e:
             reason = str(e)
         except grpc.RpcError as e:

@@ -88,6 +88,7 @@ class WorkerSession:
         self._last_output_time = 0.0
         self._task: asyncio.Task[None] | None = None
         self._draining = False
+        self.leaving = False  # granted a move to another cell (see leave())
         self.closed = False
 
     # ------------------------------------------------------------ lifecycle
@@ -115,6 +116,19 @@ class WorkerSession:
         """Stops stepping; the worker is told to leave once it answered the step in flight."""
         self._draining = True
         self._wakeup.set()
+
+    def leave(self) -> None:
+        """Lets the worker move to another cell: its requests run to the end (the
+        coordinator places nothing new here), then it is drained."""
+        self.leaving = True
+        self._wakeup.set()
+
+    def stay(self) -> bool:
+        """Takes back ``leave()`` unless the drain has begun; whether it did."""
+        if self._draining:
+            return False
+        self.leaving = False
+        return True
 
     # ------------------------------------------------------------ requests
 
@@ -175,6 +189,9 @@ class WorkerSession:
             # Cleared before looking at the queues: whatever arrives from here
             # on sets it again, so no wakeup is lost.
             self._wakeup.clear()
+            if self.leaving and not in_flight and not scheduler.has_requests():
+                self._draining = True  # a granted move: nothing of its own is left
+                continue
             if (not self._draining and len(in_flight) < self.max_steps_in_flight
                     and scheduler.has_requests()):
                 scheduler_output = scheduler.schedule()

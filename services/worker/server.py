@@ -15,8 +15,10 @@ Given several schedulers (cells: ``--scheduler-address A:P,B:P`` or a DNS name
 with one address per scheduler), the worker joins the live cell with the
 fewest workers (services/worker/cell_choice.py), dials a lost one again for
 ``--rejoin-grace-s`` before choosing again, and every
-``--rebalance-interval-s`` moves, when idle, from a crowded cell to the
-smallest.
+``--rebalance-interval-s`` asks to move, when idle, from a crowded cell to the
+smallest. The scheduler grants a move only while the cell keeps another serving
+worker, places nothing more on the worker, and drains it once the requests
+already there are done: a move never cuts a request off.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvmesh.v1 import scheduler_pb2_grpc
 from services.common.convert import (
+    leave_message,
     registration_ack_from_proto,
     registration_message,
     runner_output_message,
@@ -54,6 +57,7 @@ from services.common.security import (
     tls_from_args,
 )
 from services.common.model_runner_output import ModelRunnerOutput
+from services.common.registration import LeaveRefused, LeaveRequest
 from services.common.scheduler_addresses import (
     SchedulerTarget,
     parse_scheduler_addresses,
@@ -84,6 +88,9 @@ from services.worker.worker import Worker
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# What the session's writer sends, in order: step outputs (as they complete) and
+# requests to leave; None ends it.
+_Outgoing = asyncio.Future[ModelRunnerOutput] | LeaveRequest | None
 
 # Status codes of a refused registration worth retrying: the scheduler is
 # restarting or draining, or it has not yet noticed our previous stream died.
@@ -257,7 +264,9 @@ class WorkerService:
 
         Checks every ``rebalance_interval_s``, jittered by +-50% so that workers
         do not check together; the rule is ``cell_choice.rebalance_target``,
-        and a worker holding a request never moves.
+        and a worker holding a request does not ask. The stats it decides on
+        may be stale by the time the scheduler reads the request, so the
+        scheduler has the last word (``Coordinator.request_leave``).
         """
         while True:
             await asyncio.sleep(self.config.rebalance_interval_s * random.uniform(0.5, 1.5))
@@ -271,9 +280,12 @@ class WorkerService:
             address = rebalance_target(self.config.worker_id, current.address,
                                        num_workers_of(targets, stats),
                                        idle_workers_of(stats[current.address]))
-            runner = self.worker.model_runner
-            if address is not None and not (runner is not None and runner.requests):
+            if address is not None and not self._holds_requests():
                 return next(t for t in targets if t.address == address)
+
+    def _holds_requests(self) -> bool:
+        runner = self.worker.model_runner
+        return runner is not None and bool(runner.requests)
 
     async def _session(self, target: SchedulerTarget,
                        rejoin_deadline: float | None) -> bool | SchedulerTarget | None:
@@ -294,9 +306,10 @@ class WorkerService:
         # Cancelling a pending read would cancel the whole call, so on stop()
         # the read stays pending and _close finishes it after half-closing.
         pending_read: asyncio.Future | None = None
-        outputs: asyncio.Queue[asyncio.Future[ModelRunnerOutput] | None] = asyncio.Queue()
+        outputs: asyncio.Queue[_Outgoing] = asyncio.Queue()
         writer: asyncio.Future[None] | None = None
         move: asyncio.Future[SchedulerTarget] | None = None
+        leaving_for: SchedulerTarget | None = None  # asked to leave for it, not answered yet
         registered = False
         try:
             if not await self._register_within(call, target, rejoin_deadline):
@@ -320,13 +333,23 @@ class WorkerService:
                     await _finish_writing(outputs, writer)
                     return None
                 if move is not None and move.done():
-                    await _finish_writing(outputs, writer)  # then leave as stop() does
-                    logger.info("event=worker_rebalanced worker=%s from=%s to=%s",
-                                self.config.worker_id, target.address, move.result().address)
-                    return move.result()
+                    # The scheduler decides: it lets the requests placed here
+                    # meanwhile finish, then drains this worker, or it refuses.
+                    leaving_for, move = move.result(), None
+                    outputs.put_nowait(LeaveRequest())
+                    continue
                 scheduler_output, pending_read = pending_read.result(), None
+                if isinstance(scheduler_output, LeaveRefused):
+                    logger.info("event=worker_leave_refused worker=%s scheduler=%s reason=%r",
+                                self.config.worker_id, target.address, scheduler_output.reason)
+                    leaving_for, move = None, asyncio.ensure_future(self._next_move(target))
+                    continue
                 if scheduler_output is None:
                     await _finish_writing(outputs, writer)
+                    if leaving_for is not None:
+                        logger.info("event=worker_rebalanced worker=%s from=%s to=%s",
+                                    self.config.worker_id, target.address, leaving_for.address)
+                        return leaving_for
                     logger.info("event=worker_drained worker=%s scheduler=%s",
                                 self.config.worker_id, target.address)
                     return None
@@ -435,28 +458,29 @@ async def _close(call: grpc.aio.StreamStreamCall, pending_read: asyncio.Future |
         call.cancel()
 
 
-async def _write_outputs(call: grpc.aio.StreamStreamCall,
-                         outputs: asyncio.Queue[asyncio.Future[ModelRunnerOutput] | None]) -> None:
-    """Sends each step's output as its future completes, in order, until None."""
-    while (future := await outputs.get()) is not None:
-        runner_output = await future
+async def _write_outputs(call: grpc.aio.StreamStreamCall, outputs: asyncio.Queue[_Outgoing]) -> None:
+    """Sends each step's output as its future completes, and each LeaveRequest, in
+    order, until None."""
+    while (item := await outputs.get()) is not None:
+        message = (leave_message() if isinstance(item, LeaveRequest)
+                   else runner_output_message(await item))
         try:
-            await call.write(runner_output_message(runner_output))
+            await call.write(message)
         except (asyncio.InvalidStateError, grpc.aio.AioRpcError) as e:
             # The scheduler ended the RPC while the step ran (with the next
             # read pending, grpc reports it as a failed write).
             raise _SchedulerLost(f"the stream finished during a step: {e!r}") from e
 
 
-async def _finish_writing(outputs: asyncio.Queue[asyncio.Future[ModelRunnerOutput] | None],
-                          writer: asyncio.Future[None]) -> None:
+async def _finish_writing(outputs: asyncio.Queue[_Outgoing], writer: asyncio.Future[None]) -> None:
     """Lets the writer send what is queued, then waits for it to end."""
     outputs.put_nowait(None)
     await writer
 
 
-async def _read_step(call: grpc.aio.StreamStreamCall) -> SchedulerOutput | None:
-    """The scheduler's next step; None for Drain, _SchedulerLost when the stream ends."""
+async def _read_step(call: grpc.aio.StreamStreamCall) -> SchedulerOutput | LeaveRefused | None:
+    """The scheduler's next step or refusal of a leave; None for Drain, _SchedulerLost
+    when the stream ends."""
     message = await call.read()
     if message is grpc.aio.EOF:
         raise _SchedulerLost("the scheduler ended the stream")

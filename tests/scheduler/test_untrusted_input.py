@@ -17,13 +17,14 @@ import pytest
 from kvmesh.v1 import scheduler_pb2_grpc
 from services.common.convert import (
     add_request_message,
+    leave_message,
     registration_message,
     runner_output_message,
     scheduler_message_from_proto,
 )
 from services.common.engine import FinishReason
 from services.common.model_runner_output import ModelRunnerOutput
-from services.common.registration import WorkerRegistration
+from services.common.registration import LeaveRefused, WorkerRegistration
 from tests.grpc_utils import (
     NUM_KV_BLOCKS,
     VOCAB_SIZE,
@@ -177,6 +178,32 @@ class LyingWorker:
     async def close(self) -> None:
         self.call.cancel()
         await self.channel.close()
+
+
+def test_a_cells_last_worker_asking_to_leave_is_refused_and_kept(model_dir):
+    """However often it asks, a cell's only worker is not let go: it is told so,
+    and requests are still placed on it."""
+    request = greedy_request("r", [3, 4, 5, 6, 7], 1)
+
+    async def scenario():
+        server = await start_scheduler()
+        peer = LyingWorker(server.address, str(model_dir))
+        await peer.register()
+        answers = []
+        for _ in range(3):
+            await peer.call.write(leave_message())
+            answers.append(scheduler_message_from_proto(await peer.call.read()))
+        client = FrontendClient(server.address)
+        await client.add(request)
+        step = scheduler_message_from_proto(await peer.call.read())  # placed on it all the same
+        await client.close()
+        await peer.close()
+        await server.stop(0.1)
+        return answers, step
+
+    answers, step = run(scenario())
+    assert answers == [LeaveRefused("it is the cell's last serving worker")] * 3
+    assert list(step.num_scheduled_tokens) == ["r"]
 
 
 def test_an_oversized_registration_is_refused(model_dir):

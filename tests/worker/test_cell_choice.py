@@ -16,7 +16,17 @@ from services.common.redis_server import free_port
 from services.scheduler.server import SchedulerServer
 from services.worker.cell_choice import choose_cell, rebalance_target
 from services.worker.config import WorkerServiceConfig
-from tests.grpc_utils import get_stats, save_tiny_llama, start_scheduler, start_worker, wait_until
+from services.worker.server import WorkerService
+from tests.grpc_utils import (
+    FrontendClient,
+    get_stats,
+    greedy_request,
+    reference_tokens,
+    save_tiny_llama,
+    start_scheduler,
+    start_worker,
+    wait_until,
+)
 
 # ---------------------------------------------------------------- the rule
 
@@ -192,3 +202,81 @@ def test_a_scheduler_back_within_the_grace_gets_its_worker_back(model_dir):
 
     # Choosing again would have picked the empty b; within the grace it is a again.
     assert run(scenario()) == [["w0"], []]
+
+
+# ------------------------------------------------- leaving: the scheduler decides
+
+
+def greedy_rule(worker_id, current, num_workers_by_address, idle_worker_ids):
+    """A worker acting on stale stats: every worker of a bigger cell wants to move."""
+    live = {a: n for a, n in num_workers_by_address.items() if n is not None}
+    smallest = min(live, key=live.get)
+    return smallest if current in live and live[current] > live[smallest] else None
+
+
+def test_workers_that_all_ask_to_leave_at_once_move_one_at_a_time(model_dir, monkeypatch):
+    monkeypatch.setattr("services.worker.server.rebalance_target", greedy_rule)
+
+    async def scenario():
+        a = await start_scheduler()
+        b_port = free_port()  # b is down: both workers join a
+        workers = [start_worker(f"{a.address},127.0.0.1:{b_port}", model_dir, f"w{i}",
+                                rebalance_interval_s=0.1) for i in range(2)]
+        await wait_for_cells([a], lambda cells: len(cells[0]) == 2)
+        b = await start_scheduler(port=b_port)
+        seen = []  # a's workers, sampled until the end: it never empties
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            seen.append(len(await worker_ids(a)))
+            await asyncio.sleep(0.02)
+        cells = [await worker_ids(a), await worker_ids(b)]
+        await a.stop(0.5)
+        await b.stop(0.5)
+        await asyncio.gather(*(asyncio.wait_for(w.task, 10) for w in workers))
+        return seen, cells
+
+    seen, cells = run(scenario())
+    assert min(seen) == 1
+    assert [len(c) for c in cells] == [1, 1]
+
+
+def test_a_worker_asking_to_leave_while_it_runs_requests_finishes_them_first(model_dir,
+                                                                            monkeypatch):
+    """The race a stale view allows: a worker asks to leave just as requests are
+    placed on it. They run to the end on it (one engine index each, no failover),
+    new requests go to the worker that stays, and then it moves."""
+    monkeypatch.setattr("services.worker.server.rebalance_target", greedy_rule)
+    monkeypatch.setattr(WorkerService, "_holds_requests", lambda self: False)
+    prompts = [[(7 * i + j) % 200 + 1 for j in range(12)] for i in range(8)]
+    first = [greedy_request(f"first-{i}", p, 120) for i, p in enumerate(prompts[:4])]
+    later = [greedy_request(f"later-{i}", p, 20) for i, p in enumerate(prompts[4:])]
+    expected = reference_tokens(model_dir, first + later)
+
+    async def scenario():
+        a = await start_scheduler()
+        b_port = free_port()
+        workers = [start_worker(f"{a.address},127.0.0.1:{b_port}", model_dir, f"w{i}",
+                                rebalance_interval_s=0.1) for i in range(2)]
+        await wait_for_cells([a], lambda cells: len(cells[0]) == 2)
+        client = FrontendClient(a.address)
+        await client.add(*first)
+        await wait_until(lambda: all(client.tokens[r.request_id] for r in first))
+        b = await start_scheduler(port=b_port)
+        # One worker asks and is granted at once, the other is refused: it stays.
+        await wait_until(lambda: sum(s.leaving for s in a.coordinator.sessions.values()) == 1)
+        await client.add(*later)
+        await client.wait_finished(*(r.request_id for r in first + later))
+        cells = await wait_for_cells([a, b], lambda cells: [len(c) for c in cells] == [1, 1])
+        await client.close()
+        await a.stop(0.5)
+        await b.stop(0.5)
+        await asyncio.gather(*(asyncio.wait_for(w.task, 10) for w in workers))
+        return client, cells
+
+    client, cells = run(scenario())
+    assert {r: client.tokens[r] for r in expected} == expected
+    assert all(o.status_code == 0 for o in client.finished.values())
+    # Each request ran on one worker from start to end: none was cut off by the move.
+    assert all(len(set(client.engine_indexes[r])) == 1 for r in expected)
+    stayed = {client.engine_indexes[r.request_id][0] for r in later}
+    assert len(stayed) == 1
