@@ -320,8 +320,11 @@ class EngineCells:
         """Forwards a cell's outputs, forgetting where finished requests ran.
 
         A request the cell gives up as UNAVAILABLE (its last worker died, or it
-        is draining) is not failed while another cell serves: it waits as an
-        orphan and goes there with its tokens so far (at once, not after the grace).
+        is draining) is not failed while another cell is connected: it waits as
+        an orphan and goes, with its tokens so far, to the first cell that
+        serves (at once when one is known to, not after the grace; the stats
+        this frontend holds may be a second old, so a cell they show without
+        workers may have one by now), failing after ``resubmit_grace_s``.
         """
         moved: set[str] = set()
         for output in outputs.outputs:
@@ -330,7 +333,7 @@ class EngineCells:
                 continue
             del self.placements[request_id]
             cell.request_ids.discard(request_id)
-            if output.status_code == _UNAVAILABLE and self._another_serves(cell):
+            if output.status_code == _UNAVAILABLE and self._another_connected(cell):
                 cell.num_workers = 0  # until its GetStats says otherwise
                 self.orphans[request_id] = Orphan(time.monotonic() - self.cell_grace_s, cell)
                 moved.add(request_id)
@@ -342,8 +345,8 @@ class EngineCells:
             self._on_change()  # the orphans go out at once
         self._on_outputs(outputs)
 
-    def _another_serves(self, cell: Cell) -> bool:
-        return any(other.ready for other in self.cells.values() if other is not cell)
+    def _another_connected(self, cell: Cell) -> bool:
+        return any(other.client.connected for other in self.cells.values() if other is not cell)
 
     def _handle_connect(self, cell: Cell) -> None:
         cell.lost_at = None

@@ -465,6 +465,40 @@ def test_scheduler_restart_loses_nothing_greedy_and_seeded(loop, model_dir):
         assert chunks[-1].finished and len(expected.token_ids) == 120
 
 
+def test_a_cell_left_without_workers_hands_its_streams_to_one_that_just_got_one(loop, model_dir):
+    """Cell a's only worker dies while cell b has had a worker for a few ms, which
+    this frontend's last look at b (about a second old) did not show. a refuses
+    the stream (UNAVAILABLE, no worker left); it moves to b all the same, unchanged."""
+
+    async def scenario() -> tuple[Any, list]:
+        a, b = await start_scheduler(), await start_scheduler()
+        w0 = start_worker(a.address, model_dir, "w0")
+        await wait_for_workers(a.address, ["w0"])
+        frontend = await serve_frontend(frontend_config(model_dir, f"{a.address},{b.address}"))
+        client = Client(frontend.address, timeout_s=60)
+        try:
+            assert await health_becomes(frontend.address, "SERVING") == "SERVING"
+            expected = await asyncio.to_thread(final, client, "Count with me", max_tokens=120,
+                                               **GREEDY)
+            stream = client.generate("Count with me", max_tokens=120, **GREEDY)
+            chunks = [await asyncio.to_thread(next, stream)]
+            w1 = start_worker(b.address, model_dir, "w1")
+            await wait_for_workers(b.address, ["w1"])
+            await w0.kill()
+            chunks += await asyncio.to_thread(list, stream)
+            await b.stop(1.0)
+            await asyncio.wait_for(w1.task, 10)
+        finally:
+            client.close()
+            await frontend.stop(0.5)
+            await a.stop(0.5)
+        return expected, chunks
+
+    expected, chunks = loop.run(scenario(), timeout_s=120)
+    assert [t for c in chunks for t in c.outputs[0].token_ids] == list(expected.outputs[0].token_ids)
+    assert chunks[-1].finished and len(expected.outputs[0].token_ids) == 120
+
+
 def test_requests_fail_unavailable_when_no_scheduler_returns_in_the_grace_period(loop, model_dir):
     port = free_port()
 
