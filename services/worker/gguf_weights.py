@@ -14,15 +14,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
 import numpy as np
 import torch
+from gguf import MODEL_TENSOR, TENSOR_NAMES
 
 from kernels.gguf_quants import GGMLQuantizationType
+from services.worker.gguf_file import read_gguf
 
-# The linear layers of a Llama decoder layer, by Hugging Face name suffix.
-_LINEAR_SUFFIXES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                    "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# Hugging Face name -> GGUF tensor, as gguf.get_tensor_name_map maps llama's
+# (building that whole map costs a third of a second a start): the embedding,
+# the head, and by suffix the linear layers of a decoder layer.
+_TOP_LEVEL = {"model.embed_tokens": MODEL_TENSOR.TOKEN_EMBD, "lm_head": MODEL_TENSOR.OUTPUT}
+_LAYER_LINEARS = {
+    "self_attn.q_proj": MODEL_TENSOR.ATTN_Q, "self_attn.k_proj": MODEL_TENSOR.ATTN_K,
+    "self_attn.v_proj": MODEL_TENSOR.ATTN_V, "self_attn.o_proj": MODEL_TENSOR.ATTN_OUT,
+    "mlp.gate_proj": MODEL_TENSOR.FFN_GATE, "mlp.up_proj": MODEL_TENSOR.FFN_UP,
+    "mlp.down_proj": MODEL_TENSOR.FFN_DOWN}
 
 
 @dataclass(frozen=True)
@@ -49,29 +56,27 @@ def read_quantized_linears(gguf_path: Path, num_layers: int, num_heads: int,
     weights stored otherwise (F32, F16, K-quants) are left out: they stay float.
     ValueError for a file of another architecture than llama (whose q/k rows
     llama.cpp's converter permutes; others it leaves alone)."""
-    reader = gguf.GGUFReader(gguf_path)
-    field = reader.get_field("general.architecture")
-    architecture = field.contents() if field is not None else None
+    gguf_file = read_gguf(gguf_path)
+    architecture = gguf_file.metadata.get("general.architecture")
     if architecture != "llama":
         raise ValueError(f"quantization 'gguf' serves llama GGUF files; {gguf_path.name} is "
                          f"{architecture!r}")
-    by_gguf_name = {tensor.name: tensor for tensor in reader.tensors}
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, num_layers)
-    hf_names = ["model.embed_tokens", "lm_head"] + [
-        f"model.layers.{i}.{suffix}" for i in range(num_layers) for suffix in _LINEAR_SUFFIXES]
+    gguf_names = {hf_name: TENSOR_NAMES[tensor] for hf_name, tensor in _TOP_LEVEL.items()}
+    gguf_names |= {f"model.layers.{i}.{suffix}": TENSOR_NAMES[tensor].format(bid=i)
+                   for i in range(num_layers) for suffix, tensor in _LAYER_LINEARS.items()}
     weights: dict[str, QuantizedWeight] = {}
-    for hf_name in hf_names:
-        tensor = by_gguf_name.get(f"{name_map.get_name(hf_name)}.weight")
+    for hf_name, gguf_name in gguf_names.items():
+        tensor = gguf_file.tensors.get(f"{gguf_name}.weight")
         if tensor is None or int(tensor.tensor_type) not in GGMLQuantizationType._value2member_map_:
             continue
-        rows = np.asarray(tensor.data)
+        rows = tensor.data  # uint8 [out_features, row bytes], a view of the mapped file
         if hf_name.endswith("q_proj"):
             rows = _reverse_permute_rows(rows, num_heads)
         elif hf_name.endswith("k_proj"):
             rows = _reverse_permute_rows(rows, num_kv_heads)
         weights[f"{hf_name}.weight"] = QuantizedWeight(
-            torch.from_numpy(np.array(rows)),  # a copy: the file stays closed
-            GGMLQuantizationType(int(tensor.tensor_type)), int(tensor.shape[0]))
+            torch.from_numpy(np.array(rows)),  # a copy: the mapping is read-only and closes
+            GGMLQuantizationType(int(tensor.tensor_type)), tensor.shape[-1])
     return weights
 
 
