@@ -114,6 +114,14 @@ def _register_fake_kernels() -> None:
                              scales: torch.Tensor) -> torch.Tensor:
             return x.new_empty(x.shape[0], qweight.shape[0])
 
+    if hasattr(torch.ops.kvmesh, "int8_dynamic_linear_cpu"):
+
+        @torch.library.register_fake("kvmesh::int8_dynamic_linear_cpu")
+        def _int8_dynamic_linear_cpu(x: torch.Tensor, qweight: torch.Tensor,
+                                     scales: torch.Tensor, weight_sums: torch.Tensor,
+                                     use_vnni: bool = True) -> torch.Tensor:
+            return x.new_empty(x.shape[0], qweight.shape[0])
+
     @torch.library.register_fake("kvmesh::gguf_linear_cpu")
     def _gguf_linear_cpu(x: torch.Tensor, qweight: torch.Tensor, quant_type: int,
                          use_vnni: bool = True) -> torch.Tensor:

@@ -1,0 +1,336 @@
+// kvmesh::int8_dynamic_linear_cpu: x @ (qweight * scales[:, None]).T with int8 weights
+// and int8 activations quantized per token at every call (dynamic int8 x int8, as
+// llama.cpp's Q8 dot products), so the product is integer arithmetic throughout.
+//
+// Per row m of x: s_x = absmax(x[m]) / 127, q_x = round(x[m] * (127 / absmax)) half to
+// even, in [-127, 127] (kernels/int8_dynamic_linear_cpu.py has the reference, which
+// computes the same bits). Then
+//     out[m, n] = float(sum_k q_x[m, k] * qweight[n, k]) * s_x * scales[n]
+// with the sum exact in int32 over the whole row (K <= kMaxK), in x's dtype. A row
+// with a NaN or an infinity gets s_x = NaN (its outputs only are NaN); an all-zero row
+// gets zeros.
+//
+// Weight-only int8 (int8_linear_cpu.cpp) converts every weight to float: from a few
+// rows on, that conversion, not memory, bounds it. Here a weight vector is used as
+// it is stored. Two paths, chosen per call at run time:
+//   * AVX512-VNNI: vpdpbusd multiplies unsigned by signed bytes, so activations are
+//     stored as q_x + 128 (uint8) and the shift is taken back exactly with the
+//     caller's weight_sums: sum (q_x + 128) * w - 128 * sum w.
+//   * AVX2 (every x86-64 the library is built for): activations widened to int16
+//     once per call, weights sign-extended to int16 and multiplied with vpmaddwd
+//     (pairs of products of at most 128 * 127: no saturation, which vpmaddubsw's
+//     int16 pair sums would hit with 255 * 127). weight_sums is not needed there.
+// Each thread streams a contiguous range of weight rows, four at a time while the
+// next four are prefetched, and multiplies up to four activation rows into each
+// weight vector it loads.
+//
+// Built at run time by kernels/cpu_extension.py with the C++ compiler inductor uses.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <limits>
+#include <vector>
+
+#define KVMESH_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define KVMESH_VNNI \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+namespace {
+
+constexpr int64_t kKMultiple = 64;  // bytes of a 512-bit vector: K is whole vectors
+// The VNNI path's unsigned sum, at most 255 * 128 per element, stays within int32.
+constexpr int64_t kMaxK = std::numeric_limits<int32_t>::max() / (255 * 128);
+constexpr int64_t kRows = 4;  // weight rows per group (a thread's unit of work)
+constexpr int64_t kMaxXRows = 4;  // activation rows per pass over a group
+constexpr int32_t kVnniOffset = 128;  // the unsigned shift of the VNNI path's activations
+// A row whose largest magnitude is below this counts as zero (127 / absmax would
+// overflow float32 for subnormals); the reference uses the same bound.
+constexpr float kMinAbsMax = 1e-30f;
+
+// ---- activations: int8 per row, stored as uint8 (VNNI) or int16 (AVX2) ----
+
+template <typename scalar_t>
+KVMESH_AVX2 inline __m256 load8(const scalar_t* p) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return _mm256_loadu_ps(p);
+  } else {  // bfloat16 is float32's upper half
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+KVMESH_AVX2 inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// Quantizes row `x` (length K, a multiple of 64) into `q_u8` (q + 128) or `q_i16` (q),
+// whichever is not null; returns s_x (NaN for a row with a NaN or an infinity).
+template <typename scalar_t>
+KVMESH_AVX2 float quantize_row(const scalar_t* x, int64_t K, uint8_t* q_u8, int16_t* q_i16) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  __m256 amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    const __m256 a = _mm256_andnot_ps(sign, load8(x + k));
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));  // NaN or inf
+    amax = _mm256_max_ps(amax, a);
+  }
+  const float absmax = hmax(amax);
+  const bool is_bad = _mm256_movemask_ps(bad) != 0;
+  if (is_bad || !(absmax >= kMinAbsMax)) {  // all products zero; s_x makes them NaN
+    if (q_u8) std::memset(q_u8, kVnniOffset, K);
+    if (q_i16) std::memset(q_i16, 0, K * sizeof(int16_t));
+    return is_bad ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+  }
+  // A true division (not x * reciprocal) for both, as the reference computes them.
+  const __m256 inv = _mm256_set1_ps(127.0f / absmax);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t k = 0; k < K; k += 32) {
+    __m256i q[4];  // the current rounding mode: to nearest, ties to even
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + k + 8 * i), inv));
+    // packs work within 128-bit lanes: the permutes restore element order.
+    const __m256i q01 = _mm256_packs_epi32(q[0], q[1]), q23 = _mm256_packs_epi32(q[2], q[3]);
+    if (q_u8) {
+      const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q01, q23), order);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q_u8 + k),
+                          _mm256_xor_si256(q8, _mm256_set1_epi8(static_cast<char>(0x80))));
+    }
+    if (q_i16) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q_i16 + k),
+                          _mm256_permute4x64_epi64(q01, 0xD8));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q_i16 + k + 16),
+                          _mm256_permute4x64_epi64(q23, 0xD8));
+    }
+  }
+  return absmax / 127.0f;
+}
+
+// ---- integer dot products of MB activation rows with R consecutive weight rows ----
+// dots[m * kRows + r] = sum_k xq[m * K + k] * w[r * K + k] (VNNI: xq shifted by +128).
+
+template <int64_t MB, int64_t R>
+KVMESH_VNNI void dots_vnni(const int8_t* w, const uint8_t* xq, int64_t K, int32_t* dots) {
+  __m512i acc[MB][R];
+  for (int64_t m = 0; m < MB; ++m)
+    for (int64_t r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 64) {
+    __m512i wv[R];
+    for (int64_t r = 0; r < R; ++r) wv[r] = _mm512_loadu_si512(w + r * K + k);
+    for (int64_t m = 0; m < MB; ++m) {
+      const __m512i xv = _mm512_loadu_si512(xq + m * K + k);
+      for (int64_t r = 0; r < R; ++r) acc[m][r] = _mm512_dpbusd_epi32(acc[m][r], xv, wv[r]);
+    }
+  }
+  for (int64_t m = 0; m < MB; ++m) {
+    if constexpr (R == 4) {  // four sums at once: a third of four separate reductions
+      const __m512i* a = acc[m];
+      const __m512i a01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[0], a[1]),
+                                           _mm512_unpackhi_epi32(a[0], a[1]));
+      const __m512i a23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2], a[3]),
+                                           _mm512_unpackhi_epi32(a[2], a[3]));
+      // Each 128-bit lane now holds partial sums of rows 0..3, in order.
+      const __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(a01, a23),
+                                         _mm512_unpackhi_epi64(a01, a23));
+      const __m256i h =
+          _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dots + m * kRows),
+                       _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+    } else {
+      for (int64_t r = 0; r < R; ++r) dots[m * kRows + r] = _mm512_reduce_add_epi32(acc[m][r]);
+    }
+  }
+}
+
+// Two weight rows at a time: 16 ymm registers hold 4 x 2 accumulators and operands.
+template <int64_t MB, int64_t R>
+KVMESH_AVX2 void dots_avx2(const int8_t* w, const int16_t* xq, int64_t K, int32_t* dots) {
+  __m256i acc[MB][R];
+  for (int64_t m = 0; m < MB; ++m)
+    for (int64_t r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_si256();
+  for (int64_t k = 0; k < K; k += 16) {
+    __m256i wv[R];
+    for (int64_t r = 0; r < R; ++r) {
+      const auto* p = reinterpret_cast<const __m128i*>(w + r * K + k);
+      wv[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128(p));
+    }
+    for (int64_t m = 0; m < MB; ++m) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + k));
+      for (int64_t r = 0; r < R; ++r) {
+        acc[m][r] = _mm256_add_epi32(acc[m][r], _mm256_madd_epi16(xv, wv[r]));
+      }
+    }
+  }
+  for (int64_t m = 0; m < MB; ++m) {
+    for (int64_t r = 0; r < R; ++r) {
+      __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc[m][r]),
+                                _mm256_extracti128_si256(acc[m][r], 1));
+      s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+      s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+      dots[m * kRows + r] = _mm_cvtsi128_si32(s);
+    }
+  }
+}
+
+// The dots of mb (1..kMaxXRows) activation rows and num_rows (1..kRows) weight rows.
+template <int64_t MB>
+void group_dots(bool vnni, const int8_t* w, int64_t num_rows, const void* xq, int64_t K,
+                int32_t* dots) {
+  if (vnni) {
+    const auto* x = static_cast<const uint8_t*>(xq);
+    if (num_rows == kRows) return dots_vnni<MB, kRows>(w, x, K, dots);
+    for (int64_t r = 0; r < num_rows; ++r) dots_vnni<MB, 1>(w + r * K, x, K, dots + r);
+  } else {
+    const auto* x = static_cast<const int16_t*>(xq);
+    int64_t r = 0;
+    for (; r + 2 <= num_rows; r += 2) dots_avx2<MB, 2>(w + r * K, x, K, dots + r);
+    if (r < num_rows) dots_avx2<MB, 1>(w + r * K, x, K, dots + r);
+  }
+}
+
+void group_dots(int64_t mb, bool vnni, const int8_t* w, int64_t num_rows, const void* xq,
+                int64_t K, int32_t* dots) {
+  switch (mb) {
+    case 1: return group_dots<1>(vnni, w, num_rows, xq, K, dots);
+    case 2: return group_dots<2>(vnni, w, num_rows, xq, K, dots);
+    case 3: return group_dots<3>(vnni, w, num_rows, xq, K, dots);
+    default: return group_dots<4>(vnni, w, num_rows, xq, K, dots);
+  }
+}
+
+// ---- driver ----
+
+bool cpu_has_vnni() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") &&
+                          __builtin_cpu_supports("avx512vnni");
+  return has;
+}
+
+// out[r] = float32(dots[r] - offset * wsum[r]) * sx * scales[r] for r < num_rows, exact
+// in int32: |dots| <= 255 * 128 * K and |offset * wsum| <= 128 * 128 * K.
+template <typename scalar_t>
+inline void write_outputs(const int32_t* dots, int64_t num_rows, int32_t offset,
+                          const int32_t* wsum, const float* scales, float sx, scalar_t* out) {
+  if (num_rows == kRows) {  // the same operations on four lanes
+    const __m128i shift = _mm_mullo_epi32(
+        _mm_set1_epi32(offset), _mm_loadu_si128(reinterpret_cast<const __m128i*>(wsum)));
+    const __m128i acc =
+        _mm_sub_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dots)), shift);
+    const __m128 y = _mm_mul_ps(_mm_mul_ps(_mm_cvtepi32_ps(acc), _mm_set1_ps(sx)),
+                                _mm_loadu_ps(scales));
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      _mm_storeu_ps(out, y);
+    } else {
+      float ys[kRows];
+      _mm_storeu_ps(ys, y);
+      for (int64_t r = 0; r < kRows; ++r) out[r] = static_cast<scalar_t>(ys[r]);
+    }
+    return;
+  }
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int32_t acc = dots[r] - offset * wsum[r];
+    out[r] = static_cast<scalar_t>(static_cast<float>(acc) * sx * scales[r]);
+  }
+}
+
+template <typename scalar_t>
+void int8_dynamic_linear_kernel(const at::Tensor& x, const at::Tensor& qweight,
+                                const at::Tensor& scales, const at::Tensor& weight_sums,
+                                bool vnni, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  const int64_t elem_bytes = vnni ? 1 : 2;
+  at::Tensor xq = at::empty({M * K * elem_bytes}, x.options().dtype(at::kByte));
+  std::vector<float> sx(M);
+  const scalar_t* xp = x.data_ptr<scalar_t>();
+  uint8_t* xq_bytes = xq.data_ptr<uint8_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    uint8_t* row = xq_bytes + m * K * elem_bytes;
+    sx[m] = quantize_row(xp + m * K, K, vnni ? row : nullptr,
+                         vnni ? nullptr : reinterpret_cast<int16_t*>(row));
+  }
+  const int32_t offset = vnni ? kVnniOffset : 0;
+  const int8_t* w = qweight.data_ptr<int8_t>();
+  const float* s = scales.data_ptr<float>();
+  const int32_t* wsum = weight_sums.data_ptr<int32_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int64_t num_groups = (N + kRows - 1) / kRows;
+  const int64_t per_thread = (num_groups + at::get_num_threads() - 1) / at::get_num_threads();
+  at::parallel_for(0, num_groups, per_thread, [&](int64_t begin, int64_t end) {
+    int32_t dots[kMaxXRows * kRows];
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * kRows, num_rows = std::min(kRows, N - n0);
+      if (g + 1 < end) {  // the next group's rows, while this one computes
+        const char* next = reinterpret_cast<const char*>(w + (n0 + kRows) * K);
+        const int64_t next_bytes = std::min(kRows, N - n0 - kRows) * K;
+        for (int64_t i = 0; i < next_bytes; i += 64) _mm_prefetch(next + i, _MM_HINT_T0);
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxXRows) {  // the group's weights stay in L1
+        const int64_t mb = std::min(kMaxXRows, M - m0);
+        group_dots(mb, vnni, w + n0 * K, num_rows, xq_bytes + m0 * K * elem_bytes, K, dots);
+        for (int64_t m = 0; m < mb; ++m) {
+          write_outputs(dots + m * kRows, num_rows, offset, wsum + n0, s + n0, sx[m0 + m],
+                        o + (m0 + m) * N + n0);
+        }
+      }
+    }
+  });
+}
+
+at::Tensor int8_dynamic_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
+                                   const at::Tensor& scales, const at::Tensor& weight_sums,
+                                   bool use_vnni) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+              (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "int8_dynamic_linear_cpu: x must be a contiguous float32 or bfloat16 [M, K], got ",
+              x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == at::kChar,
+              "int8_dynamic_linear_cpu: qweight must be a contiguous int8 [N, K], got ",
+              qweight.scalar_type(), " ", qweight.sizes());
+  const int64_t K = x.size(1), N = qweight.size(0);
+  TORCH_CHECK(qweight.size(1) == K, "int8_dynamic_linear_cpu: qweight has K=", qweight.size(1),
+              ", x has K=", K);
+  TORCH_CHECK(K % kKMultiple == 0 && K <= kMaxK, "int8_dynamic_linear_cpu: K=", K,
+              " must be a multiple of ", kKMultiple, " and at most ", kMaxK,
+              " (int32 accumulation)");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.is_contiguous() &&
+              scales.scalar_type() == at::kFloat,
+              "int8_dynamic_linear_cpu: scales must be a contiguous float32 [N=", N, "], got ",
+              scales.scalar_type(), " ", scales.sizes());
+  TORCH_CHECK(weight_sums.dim() == 1 && weight_sums.size(0) == N && weight_sums.is_contiguous() &&
+              weight_sums.scalar_type() == at::kInt,
+              "int8_dynamic_linear_cpu: weight_sums must be a contiguous int32 [N=", N, "], got ",
+              weight_sums.scalar_type(), " ", weight_sums.sizes());
+  auto out = at::empty({x.size(0), N}, x.options());
+  if (x.size(0) == 0 || N == 0) return out;
+  if (K == 0) return out.zero_();
+  const bool vnni = use_vnni && cpu_has_vnni();
+  if (x.scalar_type() == at::kBFloat16) {
+    int8_dynamic_linear_kernel<at::BFloat16>(x, qweight, scales, weight_sums, vnni, out);
+  } else {
+    int8_dynamic_linear_kernel<float>(x, qweight, scales, weight_sums, vnni, out);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
+  // weight_sums[n] = sum_k qweight[n, k]; use_vnni=False forces the AVX2 path (tests).
+  m.def("int8_dynamic_linear_cpu(Tensor x, Tensor qweight, Tensor scales, Tensor weight_sums, "
+        "bool use_vnni=True) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
+  m.impl("int8_dynamic_linear_cpu", &int8_dynamic_linear_cpu);
+}
+#endif  // CPU_CAPABILITY_AVX512 || CPU_CAPABILITY_AVX2
