@@ -13,7 +13,15 @@ passes and the median call is quoted (the machine is shared). The first line is 
 machine's read bandwidth: ``Tensor.sum()`` over 256 MiB of float32 with the same
 threads, median of its repeats.
 
-    .venv/bin/python -m benchmarks.cpu_kernels --threads 2
+Then the bfloat16 choice table (issue 24): for each bfloat16 weight shape the
+worker runs (q/k/v and gate/up fused), the time of kvmesh's kernel, oneDNN's
+prepacked linear and oneDNN on the plain weight (what ``Bf16Linear`` runs above
+its threshold) at 1 to 256 rows, measured as the worker measures them at start
+(``services/worker/layers/linear_choice.py``: fastest call, weights from memory,
+tall weights on 2,048 of their rows), the kernel chosen per row count and the
+threshold (``max_rows``). ``--choice-only`` prints just that.
+
+    .venv/bin/python -m benchmarks.cpu_kernels --threads 2 [--choice-only]
 """
 
 from __future__ import annotations
@@ -30,20 +38,30 @@ import torch.nn.functional as F
 from kernels import gguf_quants
 from kernels.cpu_extension import has_cpu_kernel
 from kernels.gguf_quants import GGMLQuantizationType
+from services.worker.layers import linear_choice
+from services.worker.layers.bf16_linear import UNBOUNDED_ROWS
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 heads x 64, 3 KV heads, vocab 49152.
 SHAPES = {"q_proj/o_proj": (576, 576), "k_proj/v_proj": (192, 576),
           "gate/up_proj": (1536, 576), "down_proj": (576, 1536), "lm_head": (49152, 576)}
 NUM_ROWS = (1, 2, 4, 8, 16, 32)
 COPIES_BYTES = 96 << 20  # > 2x this machine's L3 (35.8 MiB): each call reads from memory
+# The bfloat16 weights as the worker holds them: q/k/v and gate/up fused.
+WORKER_SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576),
+                 "down_proj": (576, 1536), "lm_head": (49152, 576)}
 
 
 def cpu_line() -> str:
+    """lscpu's model name, L3, and which of the flags that move the choice it has."""
     fields = dict(line.split(":", 1) for line in subprocess.run(
         ["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines() if ":" in line)
-    flags = [f for f in fields.get("Flags", "").split() if f == "avx2" or "vnni" in f]
-    return f"CPU: {fields.get('Model name', '?').strip()}; {' '.join(flags)}; " \
-           f"L3 {fields.get('L3 cache', '?').strip()}"
+    flags = fields.get("Flags", "").split()
+    has = {"avx2": "avx2" in flags, "avx512f": "avx512f" in flags,
+           "vnni": any("vnni" in f for f in flags), "avx512_bf16": "avx512_bf16" in flags,
+           "amx": any(f.startswith("amx") for f in flags)}
+    return (f"CPU: {fields.get('Model name', '?').strip()}; "
+            + ", ".join(f"{name} {'yes' if v else 'no'}" for name, v in has.items())
+            + f"; L3 {fields.get('L3 cache', '?').strip()}")
 
 
 def median_call_s(call: Callable[[int], object], num_copies: int, repeats: int) -> float:
@@ -93,13 +111,43 @@ def candidates(out_features: int, in_features: int) -> dict[str, tuple[list, Cal
     return kernels
 
 
+def print_bf16_choice() -> None:
+    """Per worker shape: us per call of each kernel at each row count, the kernel
+    chosen there, and the threshold the worker would store."""
+    kernels = (linear_choice.OURS, linear_choice.ONEDNN, linear_choice.ONEDNN_PLAIN)
+    print(f"\nbfloat16 choice, {torch.get_num_threads()} threads: us per call (fastest of "
+          f"a few, weights from memory), chosen = {linear_choice.OURS} up to max_rows")
+    for name, (out_features, in_features) in WORKER_SHAPES.items():
+        timings = linear_choice.measure_row_timings(out_features, in_features, kernels=kernels,
+                                                    stop_at_first_loss=False)
+        max_rows = linear_choice.choose_max_rows(timings)
+        rows_text = "any" if max_rows == UNBOUNDED_ROWS else str(max_rows)
+        measured = min(out_features, linear_choice.MAX_MEASURED_OUT_FEATURES)
+        print(f"\n{name} [{out_features} x {in_features}] (measured on {measured} rows): "
+              f"max_rows {rows_text}")
+        print(f"{'M':>4} " + "".join(f"{k:>18}" for k in kernels) + f"{'chosen':>18}")
+        # Above max_rows a Bf16Linear runs oneDNN on its plain weight; with no
+        # rows of ours the layer stays a PackedLinear (prepacked).
+        above = linear_choice.ONEDNN_PLAIN if max_rows > 0 else linear_choice.ONEDNN
+        for rows, by_kernel in timings.items():
+            chosen = linear_choice.OURS if rows <= max_rows else above
+            print(f"{rows:>4} " + "".join(f"{by_kernel[k] * 1e6:18.1f}" for k in kernels)
+                  + f"{chosen:>18}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--choice-only", action="store_true",
+                        help="only the bfloat16 choice table (kvmesh's kernel against oneDNN)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(cpu_line())
+    if has_cpu_kernel("bf16_linear_cpu"):
+        print_bf16_choice()
+    if args.choice_only:
+        return
     print(f"threads {args.threads}; read bandwidth (Tensor.sum over 256 MiB float32): "
           f"{read_bandwidth_gb_s(args.repeats):.1f} GB/s; x float32 (bfloat16 for bf16 F.linear)")
     for name, (out_features, in_features) in SHAPES.items():

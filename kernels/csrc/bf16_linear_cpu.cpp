@@ -274,22 +274,46 @@ at::Tensor bf16_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
-// Output shape for torch.compile's tracing (fake tensors run the Meta kernel).
+// A layer's op (services/worker/layers/bf16_linear.py): this kernel for up to
+// max_rows rows of x, where the worker measured it faster than oneDNN, and
+// at::linear (oneDNN, on the same plain weight) above. Choosing here rather than
+// in Python keeps the choice out of compiled graphs: they call this one op for
+// every batch size. A bias is added to this kernel's rounded output (one rounding
+// more than at::linear's, for bfloat16 x).
+at::Tensor bf16_linear_dispatch(const at::Tensor& x, const at::Tensor& weight,
+                                const std::optional<at::Tensor>& bias, int64_t max_rows) {
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K], got ", x.sizes());
+  if (x.size(0) > max_rows) return at::linear(x, weight, bias);
+  at::Tensor out = bf16_linear_cpu(x, weight, "auto");
+  if (bias.has_value()) out.add_(*bias);
+  return out;
+}
+
+// Output shapes for torch.compile's tracing (fake tensors run the Meta kernels).
 at::Tensor bf16_linear_meta(const at::Tensor& x, const at::Tensor& weight, c10::string_view) {
   return at::empty({x.size(0), weight.size(0)}, x.options());
+}
+
+// Symbolic sizes: traced with dynamic shapes, x's rows are a symbol.
+at::Tensor bf16_linear_dispatch_meta(const at::Tensor& x, const at::Tensor& weight,
+                                     const std::optional<at::Tensor>&, int64_t) {
+  return at::empty_symint({x.sym_size(0), weight.sym_size(0)}, x.options());
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   m.def("bf16_linear_cpu(Tensor x, Tensor weight, str path=\"auto\") -> Tensor");
+  m.def("bf16_linear_dispatch(Tensor x, Tensor weight, Tensor? bias, int max_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
   m.impl("bf16_linear_cpu", &bf16_linear_cpu);
+  m.impl("bf16_linear_dispatch", &bf16_linear_dispatch);
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, Meta, m) {
   m.impl("bf16_linear_cpu", &bf16_linear_meta);
+  m.impl("bf16_linear_dispatch", &bf16_linear_dispatch_meta);
 }
 #endif  // CPU_CAPABILITY_AVX512 || CPU_CAPABILITY_AVX2

@@ -11,14 +11,20 @@ Layers call the kernel through the custom op ``kvmesh::onednn_linear``, which
 inductor lowers to a direct call of oneDNN's kernel: inductor's own lowering of
 that kernel insists that the weight be a constant frozen into the graph, which
 would keep the compiled artefacts out of the on-disk cache.
+
+Bfloat16 layers go to kvmesh's own kernel instead wherever the worker measured it
+faster (``cpu_linear``, ``services/worker/layers/bf16_linear.py``).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 import torch
 from torch import nn
+
+from services.worker.layers.bf16_linear import Bf16Linear
 
 # The dtypes oneDNN's prepacked linear serves; float16 layers keep nn.Linear.
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -92,15 +98,27 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN prepacked"
 
 
-def pack_linears_(module: nn.Module) -> int:
-    """Replaces every ``nn.Linear`` inside ``module`` whose weight ``can_pack`` with a
-    ``PackedLinear``; returns how many were replaced."""
+def cpu_linear(weight: torch.Tensor, bias: torch.Tensor | None,
+               bf16_max_rows: Mapping[tuple[int, int], int]) -> nn.Module:
+    """The CPU layer for a weight that ``can_pack``: a ``Bf16Linear`` where the weight
+    is bfloat16 and ``bf16_max_rows`` (shape -> rows, from
+    ``linear_choice.bf16_max_rows_by_shape``) gives its shape at least one row of
+    kvmesh's kernel, else a ``PackedLinear``."""
+    max_rows = bf16_max_rows.get(tuple(weight.shape), 0) if weight.dtype is torch.bfloat16 else 0
+    return Bf16Linear(weight, bias, max_rows) if max_rows > 0 else PackedLinear(weight, bias)
+
+
+def pack_linears_(module: nn.Module,
+                  bf16_max_rows: Mapping[tuple[int, int], int] | None = None) -> int:
+    """Replaces every ``nn.Linear`` inside ``module`` whose weight ``can_pack`` with
+    its ``cpu_linear`` (all ``PackedLinear`` without ``bf16_max_rows``); returns how
+    many were replaced."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
             if can_pack(child.weight.dtype, child.weight.device):
-                setattr(module, name, PackedLinear(child.weight, child.bias))
+                setattr(module, name, cpu_linear(child.weight, child.bias, bf16_max_rows or {}))
                 count += 1
         else:
-            count += pack_linears_(child)
+            count += pack_linears_(child, bf16_max_rows)
     return count

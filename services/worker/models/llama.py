@@ -24,8 +24,11 @@ from services.worker.compilation import private_copy
 from services.worker.config import ModelConfig
 from services.worker.gguf_weights import QuantizedWeight, fuse_quantized
 from services.worker.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_emb
+from services.worker.layers.bf16_linear import Bf16Linear
 from services.worker.layers.gguf_linear import GGUFLinear
-from services.worker.layers.packed_linear import PackedLinear, can_pack, pack_linears_
+from services.worker.layers.linear_choice import bf16_max_rows_by_shape
+from services.worker.layers.packed_linear import (PackedLinear, can_pack, cpu_linear,
+                                                  pack_linears_)
 from services.worker.layers.quantization import Int8Linear, quantize_linears_int8
 
 # (fused parameter, checkpoint projection, shard id) in vLLM's naming.
@@ -309,9 +312,10 @@ class LlamaForCausalLM(nn.Module):
                        out: torch.Tensor | None = None) -> torch.Tensor:
         """[n, hidden_size] -> logits [n, vocab_size]: float32, or written into ``out``
         (any float dtype) when given. A plain head of ``out``'s dtype writes straight
-        into it; the others (int8, prepacked: their kernels have no ``out`` form; or
-        a dtype change) return their own [n, vocab_size] result, copied in."""
-        if isinstance(self.lm_head, (Int8Linear, PackedLinear, GGUFLinear)):
+        into it; the others (int8, prepacked, bfloat16 on kvmesh's kernel: their
+        kernels have no ``out`` form; or a dtype change) return their own
+        [n, vocab_size] result, copied in."""
+        if isinstance(self.lm_head, (Int8Linear, PackedLinear, Bf16Linear, GGUFLinear)):
             logits = self.lm_head(hidden_states)
         elif out is not None and out.dtype == hidden_states.dtype:
             return torch.mm(hidden_states, self.lm_head.weight.t(), out=out)
@@ -358,18 +362,25 @@ class LlamaForCausalLM(nn.Module):
         return count
 
     def pack_weights_(self) -> int:
-        """Prepacks every float linear layer and the LM head for oneDNN (CPU; see
-        ``PackedLinear``); returns how many were packed, 0 where ``can_pack`` says no.
+        """Gives every float linear layer and the LM head its CPU kernel (``cpu_linear``):
+        bfloat16 ones kvmesh's kernel up to the row count this machine measured it
+        faster at (``Bf16Linear``), the rest oneDNN's prepacked linear
+        (``PackedLinear``); returns how many were replaced, 0 where ``can_pack`` says no.
 
         Call once the weights are final (loaded, quantized): a packed weight can
         no longer be loaded into, cast or read. A tied head gets its own packed
-        copy of the embedding (the lookup keeps the plain table).
+        copy of the embedding (the lookup keeps the plain table), or shares the
+        table as a ``Bf16Linear``. Measures each new bfloat16 shape (~1 s for
+        SmolLM2-135M's five), once per machine (``bf16_max_rows_by_shape``).
         """
-        count = pack_linears_(self.model)
         head = self.lm_head
-        if isinstance(head, (nn.Linear, nn.Embedding)) and can_pack(head.weight.dtype,
-                                                                    head.weight.device):
-            self.lm_head = PackedLinear(head.weight, getattr(head, "bias", None))
+        heads = [head] if isinstance(head, (nn.Linear, nn.Embedding)) else []
+        linears = [m for m in self.model.modules() if isinstance(m, nn.Linear)] + heads
+        bf16_max_rows = bf16_max_rows_by_shape(
+            m.weight for m in linears if can_pack(m.weight.dtype, m.weight.device))
+        count = pack_linears_(self.model, bf16_max_rows)
+        if heads and can_pack(head.weight.dtype, head.weight.device):
+            self.lm_head = cpu_linear(head.weight, getattr(head, "bias", None), bf16_max_rows)
             count += 1
         return count
 

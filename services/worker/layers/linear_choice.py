@@ -1,0 +1,259 @@
+"""Which kernel multiplies a bfloat16 weight, per number of rows: measured on this machine.
+
+kvmesh's bfloat16 kernel (``kernels/bf16_linear_cpu.py``) and oneDNN's prepacked
+linear trade places with the CPU (oneDNN's products grow fast with AVX512-BF16 or
+AMX, slowly without), the weight's shape and the threads, so the worker measures
+rather than assumes. For each weight shape, once: the fastest of a few calls of
+each kernel at 1, 2, 4, ..., 256 rows, the two called in turn on copies of the
+weight that together exceed the last-level cache, so that calls read their weight
+from memory as a decode step does. The choice (``choose_max_rows``): the largest row
+count up to which ours won at every count measured, 0 where it lost at one row,
+``UNBOUNDED_ROWS`` where it won at 256 too (both are compute-bound by then and
+scale alike with rows, so a prefill's thousands of rows go to the winner at 256).
+
+Measured on the benchmark machine (Xeon, Cascade Lake: AVX-512 and VNNI, no
+AVX512-BF16 or AMX; 2 threads): ours won at every row count for every shape of
+SmolLM2-135M: 0.55-0.7x oneDNN's time at one row, 0.25-0.5x at 2 to 256 rows
+(``benchmarks/cpu_kernels.py --choice-only`` prints the table).
+
+A machine's tables are cached under the kvmesh cache directory, keyed by the CPU
+(model name and flags), the threads, torch's version and the kernel's source, so
+a restart does not measure again; a file that cannot be read or does not hold a
+table is measured anew and replaced. Editing a file's ``max_rows`` (0: oneDNN
+only) overrides the choice on that machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu_extension import SOURCES
+from services.common.model_files import cache_root
+from services.worker.layers.bf16_linear import UNBOUNDED_ROWS, can_use_bf16_kernel
+
+logger = logging.getLogger(__name__)
+
+NUM_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+OURS, ONEDNN, ONEDNN_PLAIN = "kvmesh", "oneDNN prepacked", "oneDNN plain"
+# Weights taller than this are measured on this many rows of theirs (the LM head's
+# 49,152): per weight row both kernels do the same work, and the whole head at 256
+# rows would take seconds of the worker's start.
+MAX_MEASURED_OUT_FEATURES = 2048
+MAX_COPIES = 64  # of a small weight (a tiny test model's), whatever the cache
+MAX_PACKED_COPIES = 8
+_CACHE_VERSION = 1
+
+
+@dataclasses.dataclass(slots=True)
+class WeightCopies:
+    """Copies of one random bfloat16 weight: plain ones that together fill the
+    last-level cache, and up to ``MAX_PACKED_COPIES`` prepacked for oneDNN.
+
+    ``next_index`` walks them round-robin, so that a plain copy comes back to our
+    kernel only after twice the cache has been read: from memory, as in a decode
+    step. oneDNN's copies are fewer, as each costs a reorder (0.7 ms here on a
+    quiet machine, 3.5 ms on a busy one: oneDNN plans the layout anew every time):
+    its calls read from the cache more often than ours, which leans the
+    measurement its way.
+    """
+
+    plain: list[torch.Tensor]
+    packed: list[torch.Tensor]
+    cursor: int = 0
+
+    @classmethod
+    def make(cls, out_features: int, in_features: int) -> WeightCopies:
+        gen = torch.Generator().manual_seed(0)
+        weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).bfloat16()
+        num_bytes = weight.numel() * weight.element_size()
+        num_copies = min(MAX_COPIES, max(1, round(_last_level_cache_bytes() / num_bytes)))
+        plain = list(weight.expand(num_copies, out_features, in_features).contiguous())
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in plain[:MAX_PACKED_COPIES]]
+        return cls(plain, packed)
+
+    def next_index(self) -> int:
+        self.cursor += 1
+        return self.cursor
+
+
+# Kernel name -> call(x, copies, index). The worker weighs the first two; the
+# benchmark adds oneDNN on the plain weight, what Bf16Linear runs above max_rows.
+KERNELS: dict[str, Callable[[torch.Tensor, WeightCopies, int], torch.Tensor]] = {
+    OURS: lambda x, w, i: torch.ops.kvmesh.bf16_linear_cpu(x, w.plain[i % len(w.plain)]),
+    ONEDNN: lambda x, w, i: torch.ops.mkldnn._linear_pointwise(x, w.packed[i % len(w.packed)],
+                                                               None, "none", [], ""),
+    ONEDNN_PLAIN: lambda x, w, i: F.linear(x, w.plain[i % len(w.plain)]),
+}
+
+
+def _last_level_cache_bytes() -> int:
+    """The largest cache of CPU 0 (Linux's sysfs), 32 MiB where it cannot be read."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        if size[:-1].isdigit() and size[-1] in "KM":
+            sizes.append(int(size[:-1]) << (10 if size[-1] == "K" else 20))
+    return max(sizes, default=32 << 20)
+
+
+def time_rows(copies: WeightCopies, num_rows: int, kernels: Iterable[str], min_calls: int = 3,
+              max_calls: int = 15, budget_s: float = 0.02) -> dict[str, float]:
+    """Seconds of each kernel's fastest call at ``num_rows`` rows of bfloat16 x.
+
+    The kernels are called in turn, each on its next copy, ``min_calls`` times and
+    then on while under ``budget_s``, up to ``max_calls``. The fastest call, not
+    the median: on a shared machine a call is only ever slowed, and its other
+    work stalled whole stretches of calls by a scheduler slice (~4 ms, 30x a
+    one-row call), enough to flip a median of a few calls and with it a choice
+    that is then cached. oneDNN's first call at a shape, which builds its
+    primitive, is one of the calls (not the fastest) rather than an untimed
+    warm-up that would cost the large products a call each.
+    """
+    x = torch.randn(num_rows, copies.plain[0].shape[1]).bfloat16()
+    calls = {name: KERNELS[name] for name in kernels}
+    fastest_s = dict.fromkeys(calls, float("inf"))
+    start = time.perf_counter()
+    for i in range(max_calls):
+        if i >= min_calls and time.perf_counter() - start > budget_s:
+            break
+        for name, call in calls.items():
+            index = copies.next_index()
+            call_start = time.perf_counter()
+            call(x, copies, index)
+            fastest_s[name] = min(fastest_s[name], time.perf_counter() - call_start)
+    return fastest_s
+
+
+def measure_row_timings(out_features: int, in_features: int, num_rows: Iterable[int] = NUM_ROWS,
+                        kernels: Iterable[str] = (OURS, ONEDNN),
+                        stop_at_first_loss: bool = True) -> dict[int, dict[str, float]]:
+    """rows -> kernel -> seconds of its fastest call (``time_rows``) for an
+    [out_features, in_features] bfloat16 weight (at most
+    ``MAX_MEASURED_OUT_FEATURES`` rows of it), with the
+    threads torch has now. A row count at which ours lost is timed once more (the
+    faster call of the two counts), so that a stretch of stalls does not decide;
+    then, unless told otherwise, it stops (``choose_max_rows`` reads no further)."""
+    kernels = tuple(kernels)
+    with torch.no_grad():
+        copies = WeightCopies.make(min(out_features, MAX_MEASURED_OUT_FEATURES), in_features)
+        timings = {}
+        for rows in num_rows:
+            timings[rows] = time_rows(copies, rows, kernels)
+            if _ours_lost(timings[rows]):
+                again = time_rows(copies, rows, kernels)
+                timings[rows] = {name: min(s, again[name]) for name, s in timings[rows].items()}
+                if stop_at_first_loss and _ours_lost(timings[rows]):
+                    break
+    return timings
+
+
+def _ours_lost(timings: Mapping[str, float]) -> bool:
+    return timings[OURS] >= timings[ONEDNN]
+
+
+def choose_max_rows(timings: Mapping[int, Mapping[str, float]]) -> int:
+    """The largest row count up to which ours (``OURS``) was faster than oneDNN's
+    prepacked linear (``ONEDNN``) at every count measured: 0 where it lost at the
+    smallest, ``UNBOUNDED_ROWS`` where it won at every count, the largest included."""
+    max_rows = 0
+    for rows in sorted(timings):
+        if _ours_lost(timings[rows]):
+            return max_rows
+        max_rows = rows
+    return UNBOUNDED_ROWS
+
+
+def cache_dir() -> Path:
+    """This machine's tables, one file per weight shape, in a directory per CPU (model
+    name and flags), threads, torch version and C++ kernel library, since each
+    changes the timings."""
+    cpu = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            cpu.setdefault(name.strip(), value.strip())  # the first processor's
+    except OSError:  # not Linux: what Python knows of the machine
+        cpu["model name"] = os.uname().machine
+    key = hashlib.sha256()
+    key.update(f"{cpu.get('model name')}|{cpu.get('flags')}|{torch.get_num_threads()}|"
+               f"{torch.__version__}|{_CACHE_VERSION}|".encode())
+    for source in SOURCES:
+        key.update(source.read_bytes())
+    return cache_root() / "linear_choice" / f"bf16_{key.hexdigest()[:16]}"
+
+
+def _cache_file(directory: Path, shape: tuple[int, int]) -> Path:
+    return directory / f"{shape[0]}x{shape[1]}.json"
+
+
+def load_max_rows(path: Path) -> int | None:
+    """The ``max_rows`` stored in ``path``; None where the file is missing,
+    unreadable or holds no such number (then the shape is measured anew)."""
+    try:
+        max_rows = json.loads(path.read_text())["max_rows"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        logger.warning("event=linear_choice_cache_unreadable path=%s error=%r", path, e)
+        return None
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0:
+        logger.warning("event=linear_choice_cache_unreadable path=%s max_rows=%r", path, max_rows)
+        return None
+    return max_rows
+
+
+def store_max_rows(path: Path, max_rows: int, timings: Mapping[int, Mapping[str, float]]) -> None:
+    """Writes ``max_rows`` (and, for whoever reads the file, the timings it came
+    from, in us) to a temporary file renamed over ``path``: a concurrent reader
+    sees the old file or the new one. Where it cannot be written (a read-only
+    cache), logs why: the worker still starts, and measures again next time."""
+    timings_us = {rows: {name: round(s * 1e6, 1) for name, s in by_kernel.items()}
+                  for rows, by_kernel in timings.items()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+            json.dump({"max_rows": max_rows, "timings_us": timings_us}, f, indent=1)
+        os.replace(f.name, path)
+    except OSError as e:
+        logger.warning("event=linear_choice_cache_unwritable path=%s error=%r", path, e)
+
+
+def bf16_max_rows_by_shape(weights: Iterable[torch.Tensor]) -> dict[tuple[int, int], int]:
+    """Shape -> ``max_rows`` for each distinct shape among ``weights`` that
+    ``Bf16Linear`` can serve (others are left out: all of them without the C++
+    kernels).
+
+    Read from this machine's cache; a shape not in it is measured (SmolLM2-135M's
+    five took ~1 s on the benchmark machine) and stored.
+    """
+    shapes = sorted({tuple(w.shape) for w in weights if can_use_bf16_kernel(w)})
+    if not shapes:
+        return {}
+    directory = cache_dir()
+    table = {}
+    for shape in shapes:
+        path = _cache_file(directory, shape)
+        max_rows = load_max_rows(path)
+        if max_rows is None:
+            start = time.perf_counter()
+            timings = measure_row_timings(*shape)
+            max_rows = choose_max_rows(timings)
+            store_max_rows(path, max_rows, timings)
+            logger.info("event=linear_choice_measured shape=%s max_rows=%d seconds=%.2f path=%s",
+                        shape, max_rows, time.perf_counter() - start, path)
+        table[shape] = max_rows
+    return table
