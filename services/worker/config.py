@@ -37,7 +37,7 @@ _DTYPES: MappingProxyType[str, torch.dtype] = MappingProxyType({
     "half": torch.float16,
 })
 # Values of WorkerConfig.quantization.
-QUANTIZATION_METHODS = (None, "int8", "gguf")
+QUANTIZATION_METHODS = (None, "int8", "w8a8", "gguf")
 # Keys of a RoPE dict that are not scaling parameters.
 _ROPE_NON_SCALING_KEYS = ("rope_theta", "rope_type", "type")
 _DEFAULT_ROPE_THETA = 10000.0
@@ -262,8 +262,10 @@ class WorkerConfig:
     ``kv_cache_dtype``: "auto" (the model's dtype), "float32", "bfloat16",
     "float16". ``quantization``: None, or "int8" for weight-only int8 with
     per-output-channel scales on every linear layer and the LM head
-    (activations stay in ``dtype``; CPU only), or "gguf" for a GGUF model's
-    own Q4_0 / Q4_1 / Q8_0 blocks as stored (CPU only).
+    (activations stay in ``dtype``; CPU only), "w8a8" for the same weights
+    with decode activations quantized to int8 per token (faster, coarser;
+    CPU only), or "gguf" for a GGUF model's own Q4_0 / Q4_1 / Q8_0 blocks as
+    stored (CPU only).
     ``compile_pieces``: compile the forward pass between attention calls with
     ``torch.compile`` (inductor), the CPU counterpart of piecewise CUDA
     graphs; None is on for the CPU and off for CUDA. Compiled artefacts are

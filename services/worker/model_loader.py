@@ -14,6 +14,7 @@ from services.common.model_files import resolve_gguf_path, resolve_model_dir
 from services.worker.config import QUANTIZATION_METHODS, ModelConfig
 from services.worker.cpu_capability import CpuCapability
 from services.worker.gguf_weights import read_quantized_linears
+from services.worker.layers.quantization import use_dynamic_activations_
 from services.worker.models import get_model
 
 _INDEX_FILE = "model.safetensors.index.json"
@@ -49,6 +50,8 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "auto
 
     ``quantization="int8"``: the weights are loaded in float32, every linear
     layer and the LM head quantized to weight-only int8, the rest cast to ``dtype``.
+    ``quantization="w8a8"``: the same, and their activations are quantized to
+    int8 per token at decode (``Int8Linear.use_dynamic_activations``).
     ``quantization="gguf"``: ``model`` is a GGUF file (None: the default one);
     every linear layer and the LM head stored there in Q4_0, Q4_1 or Q8_0 serve
     those blocks as they are (``GGUFLinear``), the rest is loaded in ``dtype``.
@@ -59,11 +62,13 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "auto
     gguf_path = resolve_gguf_path(model) if quantization == "gguf" else None
     model_dir = resolve_model_dir(model)
     config = ModelConfig.from_pretrained(model_dir, dtype, device, cpu)
-    net = get_model(config, dtype=torch.float32 if quantization == "int8" else None,
-                    device=device)
+    int8 = quantization in ("int8", "w8a8")
+    net = get_model(config, dtype=torch.float32 if int8 else None, device=device)
     net.load_weights(iter_safetensors_weights(model_dir))
-    if quantization == "int8":
+    if int8:
         net.quantize_int8_(config.dtype)
+        if quantization == "w8a8":
+            use_dynamic_activations_(net)
     elif gguf_path is not None:
         net.use_gguf_weights_(read_quantized_linears(
             gguf_path, config.num_layers, config.num_heads, config.num_kv_heads))

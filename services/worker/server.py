@@ -554,8 +554,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerServiceConfig, argp
                         "the checkpoint's dtype on cuda), float32, bfloat16, float16")
     p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
                    help="auto (the model's dtype), float32, bfloat16, float16")
-    p.add_argument("--quantization", default=d.quantization, choices=["int8", "gguf"],
-                   help="int8: weight-only int8 linear layers and LM head (CPU); gguf: a "
+    p.add_argument("--quantization", default=d.quantization, choices=["int8", "w8a8", "gguf"],
+                   help="int8: weight-only int8 linear layers and LM head (CPU); w8a8: the "
+                        "same with decode activations quantized to int8 per token (CPU, "
+                        "AVX512-VNNI where there is one); gguf: a "
                         "GGUF model's own Q4_0/Q4_1/Q8_0 blocks, not dequantized (CPU)")
     p.add_argument("--compile-pieces", action=argparse.BooleanOptionalAction,
                    default=d.compile_pieces,
