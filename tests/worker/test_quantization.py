@@ -1,7 +1,7 @@
 """Int8 layers (weight-only, and w8a8 with activations quantized per token): the
 layer against its dequantized float weights or its kernel's reference, and the
-real model's quality (perplexity of a fixed text; the chat answer is checked in
-test_cpu_dtypes.py)."""
+real model's quality (perplexity of a fixed text; greedy chat output against
+transformers is in test_cpu_dtypes.py)."""
 
 from __future__ import annotations
 
