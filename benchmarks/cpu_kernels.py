@@ -3,7 +3,8 @@
 For each weight shape and M rows of activations: microseconds per call and GB/s of
 weight read (the weight's bytes / time) for kvmesh's GGUF kernel (Q4_0, Q4_1, Q8_0;
 its AVX512-VNNI path where the CPU has one, and its AVX2 path), torch's ``F.linear``
-in bfloat16 and float32 (oneDNN), and kvmesh's weight-only int8 kernel. The table
+in bfloat16 and float32 (oneDNN), kvmesh's weight-only int8 kernel and its w8a8
+kernel (int8 weights, activations quantized per token; VNNI and AVX2 paths). The table
 is what a dispatch choice (rows x instruction set -> kernel) reads.
 
 Decode streams the weights from memory (the model's blocks are bigger than the
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from kernels import gguf_quants
 from kernels.cpu_extension import has_cpu_kernel
 from kernels.gguf_quants import GGMLQuantizationType
+from kernels.int8_dynamic_linear_cpu import weight_sums
 from services.worker.layers import linear_choice
 from services.worker.layers.bf16_linear import UNBOUNDED_ROWS
 
@@ -108,6 +110,12 @@ def candidates(out_features: int, in_features: int) -> dict[str, tuple[list, Cal
         qweight = torch.round(weight / scales[:, None]).to(torch.int8)
         kernels["int8"] = (copies(qweight, scales),
                            lambda x, w: torch.ops.kvmesh.int8_linear_cpu(x, w[0], w[1]))
+        if has_cpu_kernel("int8_dynamic_linear_cpu"):  # w8a8: activations per token too
+            sums = weight_sums(qweight)
+            for path, use_vnni in (("vnni", True), ("avx2", False)):
+                kernels[f"w8a8 {path}"] = (
+                    copies(qweight, scales, sums), lambda x, w, v=use_vnni:
+                    torch.ops.kvmesh.int8_dynamic_linear_cpu(x, w[0], w[1], w[2], v))
     return kernels
 
 
