@@ -335,8 +335,10 @@ class Coordinator:
         nothing new is placed on it, and it is drained once its requests are done),
         else why not. The cell keeps at least one serving worker, so workers that
         ask at once move one at a time."""
-        if self.sessions.get(session.worker_id) is not session or session.leaving:
-            return None if session.leaving else "the worker is not registered"
+        if session.leaving:
+            return None  # already granted
+        if self.sessions.get(session.worker_id) is not session:
+            return "the worker is not registered"
         if self.draining:
             return "the scheduler is shutting down"
         if len(self.serving_sessions()) < 2:
