@@ -20,7 +20,11 @@ prepacked linear and oneDNN on the plain weight (what ``Bf16Linear`` runs above
 its threshold) at 1 to 256 rows, measured as the worker measures them at start
 (``services/worker/layers/linear_choice.py``: fastest call, weights from memory,
 tall weights on 2,048 of their rows), the kernel chosen per row count and the
-threshold (``max_rows``). ``--choice-only`` prints just that.
+threshold (``max_rows``). Then, for the default model quantized each way (int8,
+w8a8, gguf) in float32, the whole model's step of linear layers at 1 to 512
+rows through the layers' kernels and through dequantize-then-GEMM, and the row
+count the worker would choose (``services/worker/layers/quantized_choice.py``).
+``--choice-only`` prints just those.
 
     .venv/bin/python -m benchmarks.cpu_kernels --threads 2 [--choice-only]
 """
@@ -40,8 +44,9 @@ from kernels import gguf_quants
 from kernels.cpu_extension import has_cpu_kernel
 from kernels.gguf_quants import GGMLQuantizationType
 from kernels.int8_dynamic_linear_cpu import weight_sums
-from services.worker.layers import linear_choice
+from services.worker.layers import linear_choice, quantized_choice
 from services.worker.layers.bf16_linear import UNBOUNDED_ROWS
+from services.worker.model_loader import load_model
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 heads x 64, 3 KV heads, vocab 49152.
 SHAPES = {"q_proj/o_proj": (576, 576), "k_proj/v_proj": (192, 576),
@@ -143,17 +148,38 @@ def print_bf16_choice() -> None:
                   + f"{chosen:>18}", flush=True)
 
 
+def print_quantized_choice() -> None:
+    """Per quantized mode of the default model: ms per step of its linear layers
+    each way at each row count, and the row count the worker would choose."""
+    kernel, dequantize = quantized_choice.KERNEL, quantized_choice.DEQUANTIZE
+    for quantization in ("int8", "w8a8", "gguf"):
+        model, config = load_model(None, "float32", "cpu", quantization=quantization)
+        timings = quantized_choice.measure_model_rows(
+            quantized_choice.quantized_layers(model), config.dtype, stop_at_first_loss=False)
+        max_rows = linear_choice.choose_max_rows(timings, kernel, dequantize)
+        rows_text = "any" if max_rows == UNBOUNDED_ROWS else str(max_rows)
+        print(f"\n{quantization} (float32 activations), {torch.get_num_threads()} threads: ms "
+              f"per step of every linear layer (fastest call per shape), kernel up to "
+              f"max_rows {rows_text}")
+        print(f"{'M':>4} {kernel:>10} {dequantize:>22} {'ratio':>7}")
+        for rows, by_way in timings.items():
+            print(f"{rows:>4} {by_way[kernel] * 1e3:10.2f} {by_way[dequantize] * 1e3:22.2f} "
+                  f"{by_way[kernel] / by_way[dequantize]:7.2f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--choice-only", action="store_true",
-                        help="only the bfloat16 choice table (kvmesh's kernel against oneDNN)")
+                        help="only the choice tables (bfloat16: kvmesh's kernel against "
+                        "oneDNN; quantized models: their kernels against dequantize-then-GEMM)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(cpu_line())
     if has_cpu_kernel("bf16_linear_cpu"):
         print_bf16_choice()
+    print_quantized_choice()
     if args.choice_only:
         return
     print(f"threads {args.threads}; read bandwidth (Tensor.sum over 256 MiB float32): "

@@ -5,14 +5,15 @@ real step would stall that request for as long as inductor takes (tens of
 seconds cold), so, as vLLM's ``compile_or_warm_up_model``, the worker runs
 made-up steps first, one for each compiled variant a real step can need:
 
-* a prefill at least ``DEQUANTIZE_MIN_ROWS`` tokens long: the pieces for wide
-  batches (int8 and GGUF layers dequantize), the prefill attention;
+* a prefill at least ``_MIN_LONG_PROMPT`` tokens long, and past where quantized
+  layers dequantize (``quantized_choice.wide_rows``) where the token budget
+  allows: the pieces for wide batches, the prefill attention;
 * two short prefills, beside one decode and then two: the pieces for narrow
   batches, the decode attention of mixed steps (one row, then several);
 * a decode of three requests, then of one: the decode step's graph for dynamic
   batches and torch's batch-of-one specialization;
-* where the batch can hold them, ``DEQUANTIZE_MIN_ROWS`` one-token prompts: a
-  step shaped as a decode that wide (int8 and GGUF layers dequantize).
+* where quantized layers dequantize from some width and the batch can hold
+  that many, as many one-token prompts: a step shaped as a decode that wide.
 
 They write garbage K/V into blocks from 1 on, which no request owns yet;
 block 0, the null block, is never touched.
@@ -26,27 +27,31 @@ from typing import TYPE_CHECKING
 
 from services.common.sampling_params import SamplingParams
 from services.common.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from services.worker.layers.quantization import DEQUANTIZE_MIN_ROWS
+from services.worker.layers.quantized_choice import wide_rows
 
 if TYPE_CHECKING:
     from services.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 _LONG, _SHORT_A, _SHORT_B = "warmup-long", "warmup-short-a", "warmup-short-b"
-_PROMPT_LENS = {_LONG: DEQUANTIZE_MIN_ROWS + 2, _SHORT_A: 3, _SHORT_B: 3}
+_MIN_LONG_PROMPT = 34
 _NUM_DECODES = 4  # most tokens a request gets after its prompt
 
 
-def _blocks_needed(block_size: int) -> dict[str, int]:
-    return {r: -(-(n + _NUM_DECODES) // block_size) for r, n in _PROMPT_LENS.items()}
+def _prompt_lens(long_len: int) -> dict[str, int]:
+    return {_LONG: long_len, _SHORT_A: 3, _SHORT_B: 3}
 
 
-def _steps(block_size: int) -> list[SchedulerOutput]:
+def _blocks_needed(block_size: int, prompt_lens: dict[str, int]) -> dict[str, int]:
+    return {r: -(-(n + _NUM_DECODES) // block_size) for r, n in prompt_lens.items()}
+
+
+def _steps(block_size: int, prompt_lens: dict[str, int]) -> list[SchedulerOutput]:
     """The warm-up's steps: each one's new prompts and decodes, then every request's end."""
     params = SamplingParams(temperature=0.0, max_tokens=_NUM_DECODES + 1, ignore_eos=True)
     new, first_block = {}, 1  # block 0 is the null block
-    for req_id, num_blocks in _blocks_needed(block_size).items():
-        prompt = list(range(1, _PROMPT_LENS[req_id] + 1))
+    for req_id, num_blocks in _blocks_needed(block_size, prompt_lens).items():
+        prompt = list(range(1, prompt_lens[req_id] + 1))
         block_ids = list(range(first_block, first_block + num_blocks))
         new[req_id] = NewRequestData(req_id, prompt, params, block_ids, 0)
         first_block += num_blocks
@@ -56,7 +61,7 @@ def _steps(block_size: int) -> list[SchedulerOutput]:
     num_computed: dict[str, int] = {}
     steps = []
     for new_ids, decode_ids in schedule:
-        scheduled = {r: _PROMPT_LENS[r] for r in new_ids} | dict.fromkeys(decode_ids, 1)
+        scheduled = {r: prompt_lens[r] for r in new_ids} | dict.fromkeys(decode_ids, 1)
         cached = CachedRequestData(decode_ids, [False] * len(decode_ids),
                                    [[] for _ in decode_ids], [num_computed[r] for r in decode_ids])
         finished = set(num_computed) - set(decode_ids)
@@ -69,10 +74,10 @@ def _steps(block_size: int) -> list[SchedulerOutput]:
     return steps
 
 
-def _wide_decode_steps(first_block: int) -> list[SchedulerOutput]:
-    """DEQUANTIZE_MIN_ROWS one-token prompts in one step (one block each), then their end."""
+def _wide_decode_steps(first_block: int, num_reqs: int) -> list[SchedulerOutput]:
+    """``num_reqs`` one-token prompts in one step (one block each), then their end."""
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    req_ids = [f"warmup-wide-{i}" for i in range(DEQUANTIZE_MIN_ROWS)]
+    req_ids = [f"warmup-wide-{i}" for i in range(num_reqs)]
     new = [NewRequestData(req_id, [1], params, [first_block + i], 0)
            for i, req_id in enumerate(req_ids)]
     step = SchedulerOutput(scheduled_new_reqs=new, num_scheduled_tokens=dict.fromkeys(req_ids, 1),
@@ -84,18 +89,24 @@ def warm_up_model(runner: ModelRunner, block_size: int, num_blocks: int) -> None
     """Runs the warm-up steps on ``runner``; the runner ends with no requests. Does
     nothing where they do not fit: too few KV blocks or batch rows, a token budget
     under the longest prompt, or a model length under the longest request."""
-    fits = (num_blocks > sum(_blocks_needed(block_size).values())
-            and runner.input_batch.max_num_reqs >= len(_PROMPT_LENS)
-            and runner.max_num_batched_tokens >= max(_PROMPT_LENS.values())
-            and runner.max_model_len >= max(_PROMPT_LENS.values()) + _NUM_DECODES)
+    wide = wide_rows(runner.model)
+    long_len = _MIN_LONG_PROMPT
+    if (wide is not None and wide + 1 <= runner.max_num_batched_tokens
+            and wide + 1 + _NUM_DECODES <= runner.max_model_len):
+        long_len = max(long_len, wide + 1)
+    prompt_lens = _prompt_lens(long_len)
+    blocks_needed = sum(_blocks_needed(block_size, prompt_lens).values())
+    fits = (num_blocks > blocks_needed
+            and runner.input_batch.max_num_reqs >= len(prompt_lens)
+            and runner.max_num_batched_tokens >= long_len
+            and runner.max_model_len >= long_len + _NUM_DECODES)
     if not fits:
         return
-    steps = _steps(block_size)
-    first_free = 1 + sum(_blocks_needed(block_size).values())
-    if (runner.input_batch.max_num_reqs >= DEQUANTIZE_MIN_ROWS
-            and runner.max_num_batched_tokens >= DEQUANTIZE_MIN_ROWS
-            and num_blocks >= first_free + DEQUANTIZE_MIN_ROWS):
-        steps += _wide_decode_steps(first_free)
+    steps = _steps(block_size, prompt_lens)
+    first_free = 1 + blocks_needed
+    if (wide is not None and runner.input_batch.max_num_reqs >= wide
+            and runner.max_num_batched_tokens >= wide and num_blocks >= first_free + wide):
+        steps += _wide_decode_steps(first_free, wide)
     start = time.perf_counter()
     for scheduler_output in steps:
         runner.execute_model(scheduler_output)

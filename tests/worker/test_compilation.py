@@ -15,6 +15,8 @@ import transformers
 from services.worker import compilation
 from services.worker.compilation import compile_piece, use_compile_cache
 from services.worker.config import WorkerConfig
+from services.worker.layers import quantized_choice
+from services.worker.layers.quantized_choice import wide_rows
 from services.worker.model_loader import load_model
 from tests.worker.helpers import greedy_request, make_scheduler, make_worker, random_prompts, run_engine
 from tests.worker.test_models import (
@@ -105,18 +107,27 @@ def test_compiled_worker_warms_up_then_matches_eager(tiny_llama: Path) -> None:
     assert results[0] == results[1]
 
 
-def test_warm_up_builds_every_variant_serving_needs(tiny_llama: Path) -> None:
-    """After warm-up, nothing compiles again: int8 (whose layers switch kernels at
-    DEQUANTIZE_MIN_ROWS rows) through wide and narrow prefills, mixed steps with one
-    and several decodes, and decode-only steps of one, several and 40 requests."""
-    worker = make_worker(tiny_llama, compile_pieces=True, dtype="bfloat16",
-                         quantization="int8", max_model_len=128)
-    wide = [(0, greedy_request(f"w{i}", p, 4 + i % 5))
-            for i, p in enumerate(random_prompts([3] * 40, seed=5))]
-    late = [(9 + i, greedy_request(f"l{i}", p, 6))
-            for i, p in enumerate(random_prompts([40, 5, 7], seed=6))]
-    graphs_built = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    result = run_engine(make_scheduler(worker), worker, wide + late)
+def test_warm_up_builds_every_variant_serving_needs(tiny_llama: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """After warm-up, nothing compiles again: int8 (whose layers switch from their
+    kernel to dequantize-then-GEMM above the measured row count, pinned here to a
+    width other than the default) through wide and narrow prefills, mixed steps with
+    one and several decodes, and decode-only steps of one, several and 40 requests."""
+    kernel_max_rows = 8
+    monkeypatch.setattr(quantized_choice, "load_max_rows", lambda path: kernel_max_rows)
+    # A graph cached on disk by a worker with another width brings that width's
+    # shape guards with it (one more compile, at serving time): compile afresh.
+    with (torch._inductor.config.patch(fx_graph_cache=False),
+          torch._functorch.config.patch(enable_autograd_cache=False)):
+        worker = make_worker(tiny_llama, compile_pieces=True, dtype="bfloat16",
+                             quantization="int8", max_model_len=128)
+        assert wide_rows(worker.model_runner.model) == kernel_max_rows + 1
+        wide = [(0, greedy_request(f"w{i}", p, 4 + i % 5))
+                for i, p in enumerate(random_prompts([3] * 40, seed=5))]
+        late = [(9 + i, greedy_request(f"l{i}", p, 6))
+                for i, p in enumerate(random_prompts([40, 5, 7], seed=6))]
+        graphs_built = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        result = run_engine(make_scheduler(worker), worker, wide + late)
     assert len(result.token_ids) == 43
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_built
 

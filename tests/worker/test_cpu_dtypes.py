@@ -28,8 +28,11 @@ pytestmark = pytest.mark.slow
 # "The" against "L", is a 0.25-nat tie in transformers' bfloat16 run, which the
 # summation order of one thread or of another kernel tips); int8 weights move logits further, and
 # so do int8 activations (gguf: the file's own weights are the checkpoint's);
-# w8a8's one scale per token moves them most (a 0.5-nat tie tipped at one thread).
-NEAR_TIE_LOGPROB_GAP = {"bfloat16": 0.3, "int8": 0.5, "w8a8": 1.0, "gguf": 0.5}
+# w8a8's one scale per token moves them most: every row of activations, prompts
+# included, since its kernel serves any number of rows on VNNI CPUs (a 1.0-nat gap
+# tipped at the hash-table answer's 17th token; its perplexity is 3.5% above
+# bfloat16's, test_quantization.py).
+NEAR_TIE_LOGPROB_GAP = {"bfloat16": 0.3, "int8": 0.5, "w8a8": 1.5, "gguf": 0.5}
 QUESTIONS = (
     "What is the capital of France?",
     "Write a haiku about the sea.",

@@ -14,8 +14,9 @@ from transformers import AutoTokenizer
 from kernels import gguf_quants
 from kernels.gguf_linear_cpu import gguf_linear_ref
 from kernels.gguf_quants import GGMLQuantizationType
-from services.worker.layers import gguf_linear, quantization
-from services.worker.layers.gguf_linear import DEQUANTIZE_MIN_ROWS, GGUFLinear
+from services.worker.layers import quantization
+from services.worker.layers.gguf_linear import GGUFLinear
+from services.worker.layers.quantization import DEFAULT_KERNEL_MAX_ROWS
 from services.worker.model_loader import load_model
 from tests.worker.test_quantization import TEXT, perplexity
 
@@ -37,7 +38,7 @@ def _layer(quant_type: GGMLQuantizationType, bias_dtype: torch.dtype
 
 @pytest.mark.parametrize("quant_type", list(GGMLQuantizationType))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_rows", [1, 5, DEQUANTIZE_MIN_ROWS + 3])
+@pytest.mark.parametrize("num_rows", [1, 5, DEFAULT_KERNEL_MAX_ROWS + 4])
 def test_layer_computes_its_blocks_product(quant_type: GGMLQuantizationType, dtype: torch.dtype,
                                            num_rows: int) -> None:
     """Few rows: the block kernel's product (int8 activations); many rows: the
@@ -47,7 +48,7 @@ def test_layer_computes_its_blocks_product(quant_type: GGMLQuantizationType, dty
     out = layer(x)
     assert out.shape == (2, num_rows, 40) and out.dtype == dtype
     rows = x.reshape(-1, 64)
-    if num_rows < DEQUANTIZE_MIN_ROWS:
+    if num_rows <= DEFAULT_KERNEL_MAX_ROWS:
         expected = gguf_linear_ref(rows, layer.qweight, quant_type).float() + layer.bias.float()
     else:
         expected = F.linear(rows.float(), weight, layer.bias.float())
@@ -58,7 +59,7 @@ def test_layer_computes_its_blocks_product(quant_type: GGMLQuantizationType, dty
 
 def test_dequantized_gemm_in_chunks_of_output_channels(monkeypatch: pytest.MonkeyPatch) -> None:
     layer, _ = _layer(GGMLQuantizationType.Q4_1, torch.float32)
-    x = torch.randn(DEQUANTIZE_MIN_ROWS, 64, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(DEFAULT_KERNEL_MAX_ROWS + 1, 64, generator=torch.Generator().manual_seed(3))
     whole = layer(x)
     monkeypatch.setattr(quantization, "_DEQUANTIZE_CHUNK_BYTES", 7 * 64 * 4)  # chunks of 7
     assert torch.equal(layer(x), whole)
@@ -79,7 +80,7 @@ def test_gguf_needs_a_gguf_model(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_default_model_serves_its_own_blocks_within_a_stated_perplexity(
-        dtype: str, default_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        dtype: str, default_model_dir: Path) -> None:
     token_ids = AutoTokenizer.from_pretrained(default_model_dir).encode(TEXT)
     floats, config = load_model(None, dtype, "cpu")
     model, _ = load_model(None, dtype, "cpu", quantization="gguf")
@@ -88,6 +89,7 @@ def test_default_model_serves_its_own_blocks_within_a_stated_perplexity(
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert {GGMLQuantizationType(m.quant_type).name for m in layers} == {"Q4_1", "Q8_0"}
     # The whole prompt through the block kernel, not the wide-batch GEMM.
-    monkeypatch.setattr(gguf_linear, "DEQUANTIZE_MIN_ROWS", len(token_ids) + 1)
+    for layer in layers:
+        layer.kernel_max_rows = len(token_ids)
     expected = perplexity(floats, config, token_ids)
     assert perplexity(model, config, token_ids) <= expected * (1 + MAX_PERPLEXITY_INCREASE)

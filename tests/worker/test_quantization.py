@@ -18,7 +18,7 @@ from services.worker.config import WorkerConfig
 from services.worker.layers import quantization
 from kernels.int8_dynamic_linear_cpu import int8_dynamic_linear_ref
 from services.worker.layers.quantization import (
-    DEQUANTIZE_MIN_ROWS,
+    DEFAULT_KERNEL_MAX_ROWS,
     INT8_KERNEL_K_MULTIPLE,
     Int8Linear,
     quantize_linears_int8,
@@ -31,7 +31,7 @@ from tests.worker.test_models import save_tiny_hf_model
 TEXT = (Path(__file__).parent / "data" / "perplexity_text.txt").read_text()
 # int8's perplexity may exceed bfloat16's by at most this fraction (issue 13).
 MAX_PERPLEXITY_INCREASE = 0.02
-# w8a8's, measured where its decode path runs (chunks below DEQUANTIZE_MIN_ROWS):
+# w8a8's, measured where its kernel runs (chunks of 16 rows):
 # one int8 scale per token costs SmolLM2 about 4% (qkv_proj's inputs most).
 MAX_W8A8_PERPLEXITY_INCREASE = 0.06
 
@@ -49,7 +49,7 @@ def test_per_channel_quantization_round_trip() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_rows", [1, 5, DEQUANTIZE_MIN_ROWS + 3])
+@pytest.mark.parametrize("num_rows", [1, 5, DEFAULT_KERNEL_MAX_ROWS + 4])
 @pytest.mark.parametrize("in_features", [24, 64])
 def test_int8_linear_matches_its_dequantized_weight(dtype: torch.dtype, num_rows: int,
                                                     in_features: int) -> None:
@@ -76,7 +76,7 @@ def test_dequantized_gemm_in_chunks_of_output_channels(monkeypatch: pytest.Monke
     gen = torch.Generator().manual_seed(2)
     layer = Int8Linear.from_float(torch.randn(40, 64, generator=gen),
                                   torch.randn(40, generator=gen), torch.bfloat16)
-    x = torch.randn(DEQUANTIZE_MIN_ROWS, 64, generator=gen).to(torch.bfloat16)
+    x = torch.randn(DEFAULT_KERNEL_MAX_ROWS + 1, 64, generator=gen).to(torch.bfloat16)
     whole = layer(x)
     # 64 bfloat16 inputs are 128 bytes a channel: chunks of 7, the last one of 5.
     monkeypatch.setattr(quantization, "_DEQUANTIZE_CHUNK_BYTES", 7 * 128)
@@ -92,7 +92,7 @@ def test_quantize_linears_replaces_every_linear() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_rows", [1, 5, DEQUANTIZE_MIN_ROWS + 3])
+@pytest.mark.parametrize("num_rows", [1, 5, DEFAULT_KERNEL_MAX_ROWS + 4])
 def test_w8a8_linear_quantizes_a_few_rows_and_dequantizes_many(dtype: torch.dtype,
                                                                num_rows: int) -> None:
     torch.manual_seed(num_rows)
@@ -101,7 +101,7 @@ def test_w8a8_linear_quantizes_a_few_rows_and_dequantizes_many(dtype: torch.dtyp
     assert use_dynamic_activations_(layer) == 1 and layer.dynamic_activations
     x = torch.randn(num_rows, 128, dtype=dtype)
     dequantized = layer.qweight.to(dtype) * layer.scales[:, None]
-    expected = (F.linear(x, dequantized) if num_rows >= DEQUANTIZE_MIN_ROWS
+    expected = (F.linear(x, dequantized) if num_rows > DEFAULT_KERNEL_MAX_ROWS
                 else int8_dynamic_linear_ref(x, layer.qweight, layer.scales.float()))
     torch.testing.assert_close(layer(x), expected + bias.to(dtype))
 
@@ -155,7 +155,7 @@ def test_int8_perplexity_within_two_percent_of_bfloat16(default_model_dir: Path)
 def chunked_perplexity(model: torch.nn.Module, config, token_ids: list[int],
                        chunk: int = 16) -> float:
     """``perplexity``, the text fed ``chunk`` tokens a step (as chunked prefill and
-    decode feed it): below DEQUANTIZE_MIN_ROWS rows, every layer runs its decode path."""
+    decode feed it): at up to ``kernel_max_rows`` rows every layer runs its kernel."""
     block_size, n = 16, len(token_ids)
     num_blocks = -(-n // block_size) + 1
     kv_caches = [torch.zeros(2, num_blocks, block_size, config.num_kv_heads, config.head_size,

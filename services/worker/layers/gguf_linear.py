@@ -7,21 +7,17 @@ per block, integer dot products, as llama.cpp does), which reads the blocks
 once. Many rows (prefill) are compute-bound: there the weight is dequantized
 a chunk of output channels at a time and multiplied by torch's GEMM, the
 activations unquantized. Where one ends and the other begins
-(``DEQUANTIZE_MIN_ROWS``) was measured on one machine so far
-(benchmarks/cpu_kernels.py); a table measured per machine is still to come.
+(``QuantizedLinear.kernel_max_rows``) the worker measures per machine and
+model (``services/worker/layers/quantized_choice.py``).
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from kernels import gguf_quants
 from kernels.gguf_linear_cpu import gguf_linear
-# Rows of activations from which dequantize-then-GEMM beats the block kernel:
-# int8's, as measured for these blocks too (benchmarks/cpu_kernels.py: at 32
-# rows the two cost about the same), and the width warm-up compiles for.
-from services.worker.layers.quantization import DEQUANTIZE_MIN_ROWS, linear_by_channel_chunks
+from services.worker.layers.quantization import QuantizedLinear, linear_by_channel_chunks
 
 
 @torch.library.custom_op("kvmesh::gguf_dequantize", mutates_args=())
@@ -38,7 +34,7 @@ def _gguf_dequantize_fake(qweight: torch.Tensor, quant_type: int, in_features: i
     return qweight.new_empty(qweight.shape[0], in_features, dtype=dtype)
 
 
-class GGUFLinear(nn.Module):
+class GGUFLinear(QuantizedLinear):
     """``y = x @ W.T + bias`` with W [out, in] kept as GGUF blocks.
 
     ``qweight``: uint8 [out_features, in_features / 32 * block bytes] of
@@ -60,22 +56,18 @@ class GGUFLinear(nn.Module):
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] >= DEQUANTIZE_MIN_ROWS:
-            out = self._dequantized_linear(rows)
-        else:
-            out = gguf_linear(rows.contiguous(), self.qweight, self.quant_type)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*x.shape[:-1], self.out_features)
+    def kernel_linear(self, rows: torch.Tensor) -> torch.Tensor:
+        return gguf_linear(rows, self.qweight, self.quant_type)
 
-    def _dequantized_linear(self, rows: torch.Tensor) -> torch.Tensor:
+    def dequantized_linear(self, rows: torch.Tensor) -> torch.Tensor:
         return linear_by_channel_chunks(
             rows, self.out_features,
             lambda start, stop: gguf_dequantize(self.qweight[start:stop], self.quant_type,
                                                 self.in_features, rows.dtype))
 
-    def extra_repr(self) -> str:
-        name = gguf_quants.GGMLQuantizationType(self.quant_type).name
-        return f"in_features={self.in_features}, out_features={self.out_features}, {name}"
+    @property
+    def weight_format(self) -> str:
+        return gguf_quants.GGMLQuantizationType(self.quant_type).name
+
+    def narrow(self, out_features: int) -> GGUFLinear:
+        return GGUFLinear(self.qweight[:out_features], self.quant_type, self.in_features)

@@ -161,26 +161,28 @@ def measure_row_timings(out_features: int, in_features: int, num_rows: Iterable[
     return timings
 
 
-def _ours_lost(timings: Mapping[str, float]) -> bool:
-    return timings[OURS] >= timings[ONEDNN]
+def _ours_lost(timings: Mapping[str, float], ours: str = OURS, theirs: str = ONEDNN) -> bool:
+    return timings[ours] >= timings[theirs]
 
 
-def choose_max_rows(timings: Mapping[int, Mapping[str, float]]) -> int:
-    """The largest row count up to which ours (``OURS``) was faster than oneDNN's
-    prepacked linear (``ONEDNN``) at every count measured: 0 where it lost at the
-    smallest, ``UNBOUNDED_ROWS`` where it won at every count, the largest included."""
+def choose_max_rows(timings: Mapping[int, Mapping[str, float]], ours: str = OURS,
+                    theirs: str = ONEDNN) -> int:
+    """The largest row count up to which ``ours`` (by default kvmesh's kernel) was
+    faster than ``theirs`` (oneDNN's prepacked linear) at every count measured: 0
+    where it lost at the smallest, ``UNBOUNDED_ROWS`` where it won at every count,
+    the largest included."""
     max_rows = 0
     for rows in sorted(timings):
-        if _ours_lost(timings[rows]):
+        if _ours_lost(timings[rows], ours, theirs):
             return max_rows
         max_rows = rows
     return UNBOUNDED_ROWS
 
 
-def cache_dir() -> Path:
-    """This machine's tables, one file per weight shape, in a directory per CPU (model
-    name and flags), threads, torch version and C++ kernel library, since each
-    changes the timings."""
+def cache_dir(kind: str = "bf16") -> Path:
+    """This machine's tables of ``kind``, one file per weight shape (or model), in a
+    directory per CPU (model name and flags), threads, torch version and C++ kernel
+    library, since each changes the timings."""
     cpu = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -193,7 +195,7 @@ def cache_dir() -> Path:
                f"{torch.__version__}|{_CACHE_VERSION}|".encode())
     for source in SOURCES:
         key.update(source.read_bytes())
-    return cache_root() / "linear_choice" / f"bf16_{key.hexdigest()[:16]}"
+    return cache_root() / "linear_choice" / f"{kind}_{key.hexdigest()[:16]}"
 
 
 def _cache_file(directory: Path, shape: tuple[int, int]) -> Path:

@@ -11,9 +11,13 @@ activation row to int8 as well, at every call, and multiplies integers
 weight-only time at one row and about half at 16 rows on the benchmark machine,
 for a perplexity 3.5-4% above the unquantized model's on the shipped text
 (weight-only: 0.5%).
-Large batches (prefill) are compute-bound, where torch's blocked
-bfloat16/float32 GEMM is faster than either kernel: those dequantize the weight
-once per call, activations unquantized, in both modes.
+Up to ``kernel_max_rows`` rows go to the kernel; more (a prefill, a wide
+decode) dequantize the weight a chunk at a time and call torch's GEMM,
+activations unquantized, in both modes. Which rows the kernel wins is measured
+per machine and model (``services/worker/layers/quantized_choice.py``): on the
+benchmark machine (Cascade Lake, 2 threads) w8a8's kernel beat
+dequantize-then-GEMM at every row count up to 512, weight-only int8's up to
+64-128.
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ from kernels.int8_dynamic_linear_cpu import CPU_KERNEL_K_MULTIPLE, int8_dynamic_
 from kernels.int8_linear_cpu import int8_linear
 
 INT8_MAX = 127
-# Rows of activations from which dequantize-then-GEMM beats the int8 kernel
-# (measured on AVX-512: the int8 kernel is a GEMV-style loop).
-DEQUANTIZE_MIN_ROWS = 32
+# The rows a quantized layer's kernel takes until the worker has measured this
+# machine (``QuantizedLinear.kernel_max_rows``): beyond them dequantize-then-GEMM.
+DEFAULT_KERNEL_MAX_ROWS = 31
 # torch's int8 kernel is vectorized over K in blocks; with bfloat16 inputs and K
 # not a multiple of its block it returns garbage (torch 2.13), so such layers
 # always take the dequantize path.
@@ -66,7 +70,57 @@ def quantize_per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch
     return qweight, scales
 
 
-class Int8Linear(nn.Module):
+class QuantizedLinear(nn.Module):
+    """A linear layer on a quantized weight with two ways to multiply it: its
+    kernel (``kernel_linear``, for the rows of a decode) and dequantize-then-GEMM
+    (``dequantized_linear``). ``forward`` picks the kernel for up to
+    ``kernel_max_rows`` rows where ``has_kernel``. Subclasses set ``in_features``,
+    ``out_features`` and a ``bias`` buffer (or None).
+    """
+
+    in_features: int
+    out_features: int
+    kernel_max_rows: int = DEFAULT_KERNEL_MAX_ROWS
+
+    @property
+    def has_kernel(self) -> bool:
+        """Whether ``kernel_linear`` may be called (the layer's shape fits the kernel)."""
+        return True
+
+    @property
+    def weight_format(self) -> str:
+        """How the weight is stored and multiplied, e.g. ``"w8a8"``, ``"Q4_1"``."""
+        raise NotImplementedError
+
+    def kernel_linear(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` [M, in_features], contiguous, times the weight, without the bias."""
+        raise NotImplementedError
+
+    def dequantized_linear(self, rows: torch.Tensor) -> torch.Tensor:
+        """The same product, the weight dequantized to ``rows``' dtype a chunk at a time."""
+        raise NotImplementedError
+
+    def narrow(self, out_features: int) -> QuantizedLinear:
+        """A layer over this one's first ``out_features`` output channels (sharing
+        its storage, no bias): what ``quantized_choice`` times for a tall head."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"{self.weight_format}, kernel_max_rows={self.kernel_max_rows}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] <= self.kernel_max_rows and self.has_kernel:
+            out = self.kernel_linear(rows.contiguous())
+        else:
+            out = self.dequantized_linear(rows)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear(QuantizedLinear):
     """``y = x @ (qweight * scales[:, None]).T + bias`` with an int8 ``qweight``.
 
     ``x`` is [..., in_features] in ``scales``' dtype; so is the output.
@@ -109,30 +163,30 @@ class Int8Linear(nn.Module):
         self.register_buffer("float_scales", self.scales.float())
         return True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] >= DEQUANTIZE_MIN_ROWS or not self.use_int8_kernel:
-            out = self._dequantized_linear(rows)
-        else:
-            if self.weight_sums is not None:
-                out = int8_dynamic_linear(rows, self.qweight, self.float_scales,
-                                          self.weight_sums)
-            else:
-                out = int8_linear(rows.contiguous(), self.qweight, self.scales)
-            if self.bias is not None:
-                out = out + self.bias
-        return out.view(*x.shape[:-1], self.out_features)
+    @property
+    def has_kernel(self) -> bool:
+        return self.use_int8_kernel
 
-    def _dequantized_linear(self, rows: torch.Tensor) -> torch.Tensor:
-        out = linear_by_channel_chunks(
+    def kernel_linear(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.weight_sums is not None:
+            return int8_dynamic_linear(rows, self.qweight, self.float_scales, self.weight_sums)
+        return int8_linear(rows, self.qweight, self.scales)
+
+    def dequantized_linear(self, rows: torch.Tensor) -> torch.Tensor:
+        return linear_by_channel_chunks(
             rows, self.out_features,
             lambda start, stop: self.qweight[start:stop].to(rows.dtype)
             * self.scales[start:stop, None])
-        return out if self.bias is None else out + self.bias
 
-    def extra_repr(self) -> str:
-        mode = "int8 weights and activations" if self.dynamic_activations else "int8 weight-only"
-        return f"in_features={self.in_features}, out_features={self.out_features}, {mode}"
+    @property
+    def weight_format(self) -> str:
+        return "w8a8" if self.dynamic_activations else "int8"
+
+    def narrow(self, out_features: int) -> Int8Linear:
+        layer = Int8Linear(self.qweight[:out_features], self.scales[:out_features], None)
+        if self.dynamic_activations:
+            layer.use_dynamic_activations()
+        return layer
 
 
 def quantize_linears_int8(module: nn.Module, dtype: torch.dtype) -> int:

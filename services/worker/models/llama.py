@@ -30,6 +30,7 @@ from services.worker.layers.linear_choice import bf16_max_rows_by_shape
 from services.worker.layers.packed_linear import (PackedLinear, can_pack, cpu_linear,
                                                   pack_linears_)
 from services.worker.layers.quantization import Int8Linear, quantize_linears_int8
+from services.worker.layers.quantized_choice import set_kernel_max_rows_
 
 # (fused parameter, checkpoint projection, shard id) in vLLM's naming.
 _STACKED_PARAMS = (
@@ -372,7 +373,11 @@ class LlamaForCausalLM(nn.Module):
         copy of the embedding (the lookup keeps the plain table), or shares the
         table as a ``Bf16Linear``. Measures each new bfloat16 shape (~1 s for
         SmolLM2-135M's five), once per machine (``bf16_max_rows_by_shape``).
+        Quantized layers keep their weights and get the row count up to which
+        their kernel serves, measured once per machine and model
+        (``set_kernel_max_rows_``).
         """
+        set_kernel_max_rows_(self, self.config.dtype)
         head = self.lm_head
         heads = [head] if isinstance(head, (nn.Linear, nn.Embedding)) else []
         linears = [m for m in self.model.modules() if isinstance(m, nn.Linear)] + heads
