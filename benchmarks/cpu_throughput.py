@@ -53,6 +53,7 @@ from services.worker.config import WorkerConfig
 
 KVMESH_VARIANTS = {"kvmesh float32": ("float32", None), "kvmesh bfloat16": ("bfloat16", None),
                    "kvmesh int8": ("bfloat16", "int8"), "kvmesh w8a8": ("bfloat16", "w8a8"),
+                   "kvmesh w8a8 float32": ("float32", "w8a8"),
                    "kvmesh gguf Q4_1 float32": ("float32", "gguf")}
 HF_VARIANTS = {"transformers float32": torch.float32, "transformers bfloat16": torch.bfloat16}
 LLAMA_CPP = "llama.cpp Q4_1"
@@ -258,8 +259,8 @@ def print_generation(single: dict, batched: dict, prefill: dict, args) -> None:
     hf32, hf16 = batched["transformers float32"], batched["transformers bfloat16"]
     print("\nratios (goals: int8 single >= 1.0x llama.cpp; bf16 single >= 0.6x llama.cpp; "
           "64 streams >= 2x transformers same dtype and >= 3x transformers float32)")
-    same = {"kvmesh float32": hf32, "kvmesh bfloat16": hf16, "kvmesh int8": hf16,
-            "kvmesh w8a8": hf16, "kvmesh gguf Q4_1 float32": hf32}
+    same = {name: hf32 if dtype == "float32" else hf16
+            for name, (dtype, _) in KVMESH_VARIANTS.items()}
     for name in KVMESH_VARIANTS:
         line = f"  {name}: 64 streams {batched[name] / same[name]:.2f}x transformers same dtype, " \
                f"{batched[name] / hf32:.2f}x transformers float32"

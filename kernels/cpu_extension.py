@@ -25,8 +25,10 @@ import torch
 from torch.utils import cpp_extension
 
 logger = logging.getLogger(__name__)
-# Every C++ source in csrc, in one library.
+# Every C++ source in csrc, in one library; with the headers they share, what the
+# library is built from (its name hashes them).
 SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
+BUILD_INPUTS = SOURCES + tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))
 # torch's capability -> compiler flags for ATen's vector types (as inductor's VecISA).
 _ISA_FLAGS = {
     "AVX512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl",
@@ -46,7 +48,7 @@ def _compile_command(compiler: str, isa: str, sources: tuple[Path, ...], output:
 
 def _library_path(compiler: str, isa: str) -> Path:
     key = hashlib.sha256()
-    for source in SOURCES:
+    for source in BUILD_INPUTS:
         key.update(source.read_bytes())
     key.update(f"{torch.__version__} {compiler} {_ISA_FLAGS[isa]}".encode())
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())

@@ -33,6 +33,8 @@
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 
+#include "row_groups.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <string_view>
@@ -209,24 +211,14 @@ void bf16_linear_kernel(const at::Tensor& x, const at::Tensor& weight, at::Tenso
   const auto* xs = reinterpret_cast<const typename Path::X*>(xp.data_ptr());
   const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   scalar_t* o = out.data_ptr<scalar_t>();
-  const int64_t num_groups = (N + kRows - 1) / kRows;
-  const int64_t per_thread = (num_groups + at::get_num_threads() - 1) / at::get_num_threads();
-  at::parallel_for(0, num_groups, per_thread, [&](int64_t begin, int64_t end) {
+  kvmesh::for_each_row_group<kRows>(N, w, K * 2, [&](int64_t n0, int64_t rows) {
     float dots[kBlock * kRows];
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t n0 = g * kRows, rows = std::min(kRows, N - n0);
-      if (g + 1 < end) {  // the next group's rows, while this one computes
-        const char* next = reinterpret_cast<const char*>(w + (n0 + kRows) * K);
-        const int64_t next_bytes = std::min(kRows, N - n0 - kRows) * K * 2;
-        for (int64_t i = 0; i < next_bytes; i += 64) _mm_prefetch(next + i, _MM_HINT_T0);
-      }
-      for (int64_t m0 = 0; m0 < M; m0 += kBlock) {  // the group's weights stay in L1
-        const int64_t mb = std::min(kBlock, M - m0);
-        dot_group<Path>(xs + m0 * K, mb, w + n0 * K, rows, K, dots);
-        for (int64_t m = 0; m < mb; ++m) {
-          for (int64_t r = 0; r < rows; ++r) {
-            o[(m0 + m) * N + n0 + r] = static_cast<scalar_t>(dots[m * kRows + r]);
-          }
+    for (int64_t m0 = 0; m0 < M; m0 += kBlock) {  // the group's weights stay in L1
+      const int64_t mb = std::min(kBlock, M - m0);
+      dot_group<Path>(xs + m0 * K, mb, w + n0 * K, rows, K, dots);
+      for (int64_t m = 0; m < mb; ++m) {
+        for (int64_t r = 0; r < rows; ++r) {
+          o[(m0 + m) * N + n0 + r] = static_cast<scalar_t>(dots[m * kRows + r]);
         }
       }
     }

@@ -27,6 +27,8 @@
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 
+#include "row_groups.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -385,36 +387,22 @@ void gguf_linear_kernel(const at::Tensor& x, const at::Tensor& qweight, int64_t 
   const uint8_t* w = qweight.data_ptr<uint8_t>();
   const uint8_t* xr = records.data_ptr<uint8_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
-  const int64_t num_row_groups = (N + kRows - 1) / kRows;
-  const int64_t per_thread = (num_row_groups + at::get_num_threads() - 1) / at::get_num_threads();
-  at::parallel_for(0, num_row_groups, per_thread, [&](int64_t begin, int64_t end) {
+  kvmesh::for_each_row_group<kRows>(N, w, row_bytes, [&](int64_t n0, int64_t num_rows) {
     float dots[kMaxXRows * kRows];
-    for (int64_t rg = begin; rg < end; ++rg) {
-      const int64_t n0 = rg * kRows, num_rows = std::min(kRows, N - n0);
-      const uint8_t* rows[kRows];
-      for (int64_t r = 0; r < kRows; ++r) {
-        rows[r] = w + (n0 + std::min(r, num_rows - 1)) * row_bytes;
-      }
-      if (rg + 1 < end) {  // the next group's rows, while this one computes
-        const uint8_t* next = w + (n0 + kRows) * row_bytes;
-        const int64_t next_bytes = std::min(kRows, N - n0 - kRows) * row_bytes;
-        for (int64_t i = 0; i < next_bytes; i += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T0);
+    const uint8_t* rows[kRows];
+    for (int64_t r = 0; r < kRows; ++r) rows[r] = w + (n0 + std::min(r, num_rows - 1)) * row_bytes;
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxXRows) {  // the group's weights stay in L1
+      const int64_t mb = std::min(kMaxXRows, M - m0);
+      if (num_rows == kRows) {
+        k.group[mb - 1](rows, num_blocks, xr + m0 * x_stride, x_stride, dots, kRows);
+      } else {
+        for (int64_t r = 0; r < num_rows; ++r) {
+          k.single[mb - 1](rows + r, num_blocks, xr + m0 * x_stride, x_stride, dots + r, kRows);
         }
       }
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxXRows) {  // the group's weights stay in L1
-        const int64_t mb = std::min(kMaxXRows, M - m0);
-        if (num_rows == kRows) {
-          k.group[mb - 1](rows, num_blocks, xr + m0 * x_stride, x_stride, dots, kRows);
-        } else {
-          for (int64_t r = 0; r < num_rows; ++r) {
-            k.single[mb - 1](rows + r, num_blocks, xr + m0 * x_stride, x_stride, dots + r, kRows);
-          }
-        }
-        for (int64_t m = 0; m < mb; ++m) {
-          for (int64_t r = 0; r < num_rows; ++r) {
-            o[(m0 + m) * N + n0 + r] = static_cast<scalar_t>(dots[m * kRows + r]);
-          }
+      for (int64_t m = 0; m < mb; ++m) {
+        for (int64_t r = 0; r < num_rows; ++r) {
+          o[(m0 + m) * N + n0 + r] = static_cast<scalar_t>(dots[m * kRows + r]);
         }
       }
     }

@@ -32,6 +32,8 @@
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 
+#include "row_groups.h"
+
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
@@ -263,24 +265,14 @@ void int8_dynamic_linear_kernel(const at::Tensor& x, const at::Tensor& qweight,
   const float* s = scales.data_ptr<float>();
   const int32_t* wsum = weight_sums.data_ptr<int32_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
-  const int64_t num_groups = (N + kRows - 1) / kRows;
-  const int64_t per_thread = (num_groups + at::get_num_threads() - 1) / at::get_num_threads();
-  at::parallel_for(0, num_groups, per_thread, [&](int64_t begin, int64_t end) {
+  kvmesh::for_each_row_group<kRows>(N, w, K, [&](int64_t n0, int64_t num_rows) {
     int32_t dots[kMaxXRows * kRows];
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t n0 = g * kRows, num_rows = std::min(kRows, N - n0);
-      if (g + 1 < end) {  // the next group's rows, while this one computes
-        const char* next = reinterpret_cast<const char*>(w + (n0 + kRows) * K);
-        const int64_t next_bytes = std::min(kRows, N - n0 - kRows) * K;
-        for (int64_t i = 0; i < next_bytes; i += 64) _mm_prefetch(next + i, _MM_HINT_T0);
-      }
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxXRows) {  // the group's weights stay in L1
-        const int64_t mb = std::min(kMaxXRows, M - m0);
-        group_dots(mb, vnni, w + n0 * K, num_rows, xq_bytes + m0 * K * elem_bytes, K, dots);
-        for (int64_t m = 0; m < mb; ++m) {
-          write_outputs(dots + m * kRows, num_rows, offset, wsum + n0, s + n0, sx[m0 + m],
-                        o + (m0 + m) * N + n0);
-        }
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxXRows) {  // the group's weights stay in L1
+      const int64_t mb = std::min(kMaxXRows, M - m0);
+      group_dots(mb, vnni, w + n0 * K, num_rows, xq_bytes + m0 * K * elem_bytes, K, dots);
+      for (int64_t m = 0; m < mb; ++m) {
+        write_outputs(dots + m * kRows, num_rows, offset, wsum + n0, s + n0, sx[m0 + m],
+                      o + (m0 + m) * N + n0);
       }
     }
   });

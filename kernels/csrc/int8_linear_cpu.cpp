@@ -21,6 +21,8 @@
 #if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
 
+#include "row_groups.h"
+
 #include <algorithm>
 
 namespace {
@@ -91,26 +93,15 @@ void int8_linear_kernel(const at::Tensor& x, const at::Tensor& qweight, const at
   const int8_t* w = qweight.data_ptr<int8_t>();
   const scalar_t* s = scales.data_ptr<scalar_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
-  const int64_t num_groups = (N + kRows - 1) / kRows;
-  const int64_t per_thread = (num_groups + at::get_num_threads() - 1) / at::get_num_threads();
-  at::parallel_for(0, num_groups, per_thread, [&](int64_t begin, int64_t end) {
+  kvmesh::for_each_row_group<kRows>(N, w, K, [&](int64_t n0, int64_t rows) {
     float dots[kBlock * kRows];
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t n0 = g * kRows, rows = std::min(kRows, N - n0);
-      if (g + 1 < end) {  // the next group's rows, while this one computes
-        const char* next = reinterpret_cast<const char*>(w + (n0 + kRows) * K);
-        for (int64_t i = 0; i < std::min(kRows, N - n0 - kRows) * K; i += 64) {
-          _mm_prefetch(next + i, _MM_HINT_T0);
-        }
-      }
-      for (int64_t m0 = 0; m0 < M; m0 += kBlock) {  // the group's weights stay in L1
-        const int64_t mb = std::min(kBlock, M - m0);
-        dot_group(xf + m0 * K, mb, w + n0 * K, rows, K, dots);
-        for (int64_t m = 0; m < mb; ++m) {
-          for (int64_t r = 0; r < rows; ++r) {
-            o[(m0 + m) * N + n0 + r] =
-                static_cast<scalar_t>(dots[m * kRows + r] * static_cast<float>(s[n0 + r]));
-          }
+    for (int64_t m0 = 0; m0 < M; m0 += kBlock) {  // the group's weights stay in L1
+      const int64_t mb = std::min(kBlock, M - m0);
+      dot_group(xf + m0 * K, mb, w + n0 * K, rows, K, dots);
+      for (int64_t m = 0; m < mb; ++m) {
+        for (int64_t r = 0; r < rows; ++r) {
+          o[(m0 + m) * N + n0 + r] =
+              static_cast<scalar_t>(dots[m * kRows + r] * static_cast<float>(s[n0 + r]));
         }
       }
     }

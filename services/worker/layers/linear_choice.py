@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_extension import SOURCES
+from kernels.cpu_extension import BUILD_INPUTS
 from services.common.model_files import cache_root
 from services.worker.layers.bf16_linear import UNBOUNDED_ROWS, can_use_bf16_kernel
 
@@ -193,7 +193,7 @@ def cache_dir(kind: str = "bf16") -> Path:
     key = hashlib.sha256()
     key.update(f"{cpu.get('model name')}|{cpu.get('flags')}|{torch.get_num_threads()}|"
                f"{torch.__version__}|{_CACHE_VERSION}|".encode())
-    for source in SOURCES:
+    for source in BUILD_INPUTS:
         key.update(source.read_bytes())
     return cache_root() / "linear_choice" / f"{kind}_{key.hexdigest()[:16]}"
 

@@ -1,0 +1,41 @@
+// The loop every linear kernel here shares: a weight's rows in small groups, split
+// over torch's threads, with the next group prefetched while one computes.
+//
+// A decode step streams each weight from memory once, so each thread takes a
+// contiguous range of groups (one sequential stream for the hardware prefetcher
+// and for ours), and a group's rows stay in L1 while every activation row is
+// multiplied into them.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace kvmesh {
+
+// Calls body(n0, num_rows) for each group [n0, n0 + num_rows) of up to kGroupRows
+// consecutive rows of a weight with N rows of row_bytes each, starting at weight.
+// Groups run in order within a thread; before a group's body, the next group's
+// bytes are prefetched into L1.
+template <int64_t kGroupRows, typename Body>
+inline void for_each_row_group(int64_t N, const void* weight, int64_t row_bytes,
+                               const Body& body) {
+  const int64_t num_groups = (N + kGroupRows - 1) / kGroupRows;
+  const int64_t per_thread = (num_groups + at::get_num_threads() - 1) / at::get_num_threads();
+  const char* bytes = static_cast<const char*>(weight);
+  at::parallel_for(0, num_groups, per_thread, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * kGroupRows;
+      if (g + 1 < end) {
+        const char* next = bytes + (n0 + kGroupRows) * row_bytes;
+        const int64_t next_bytes = std::min(kGroupRows, N - n0 - kGroupRows) * row_bytes;
+        for (int64_t i = 0; i < next_bytes; i += 64) _mm_prefetch(next + i, _MM_HINT_T0);
+      }
+      body(n0, std::min(kGroupRows, N - n0));
+    }
+  });
+}
+
+}  // namespace kvmesh
