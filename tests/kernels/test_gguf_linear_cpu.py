@@ -61,7 +61,8 @@ def test_blocks_are_gguf_blocks(quant_type: GGMLQuantizationType) -> None:
                                   gguf.quants.dequantize(expected, _gguf_type(quant_type)))
 
 
-SHAPES = [(37, 64), (576, 576), (1536, 576), (576, 1536)]
+# K = 544: 17 blocks, an odd one after 8 pairs.
+SHAPES = [(37, 64), (37, 544), (576, 576), (1536, 576), (576, 1536)]
 
 
 @needs_kernel
