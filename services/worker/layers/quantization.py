@@ -17,7 +17,7 @@ activations unquantized, in both modes. Which rows the kernel wins is measured
 per machine and model (``services/worker/layers/quantized_choice.py``): on the
 benchmark machine (Cascade Lake, 2 threads) w8a8's kernel beat
 dequantize-then-GEMM at every row count up to 512, weight-only int8's up to
-64-128.
+128.
 """
 
 from __future__ import annotations

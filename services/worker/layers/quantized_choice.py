@@ -6,14 +6,14 @@ dequantizing the weight and calling torch's GEMM, which pays the dequantization
 at every call but multiplies at the GEMM's rate. Where the two cross depends on
 the CPU (VNNI, AVX-512 or AVX2 only), the threads, the format and the dtype:
 on the benchmark machine (Cascade Lake, 2 threads, float32) w8a8's kernel won
-at every row count up to 512, weight-only int8's up to 64. So the worker
+at every row count up to 512, weight-only int8's and gguf's up to 128. So the worker
 measures, once per machine and model, on the model's own layers: at 1, 2, 4,
 ..., 512 rows, each distinct layer shape's fastest call of each way (the two in
 turn, across the layers of that shape; a tall LM head on its first
 ``MAX_MEASURED_OUT_FEATURES`` channels, scaled up), summed over the model as a
 step would call them. The choice is one row count for the whole model, the
-largest up to which the kernels won at every count (``linear_choice.
-choose_max_rows``; unbounded where they won at 512 too), so that a compiled
+largest up to which the kernels won at every count
+(``linear_choice.choose_max_rows``; unbounded where they won at 512 too), so that a compiled
 step has one narrow and one wide variant (``warmup``) rather than one per
 layer boundary.
 
