@@ -110,32 +110,55 @@ def _last_level_cache_bytes() -> int:
     return max(sizes, default=32 << 20)
 
 
-def time_rows(copies: WeightCopies, num_rows: int, kernels: Iterable[str], min_calls: int = 3,
-              max_calls: int = 15, budget_s: float = 0.02) -> dict[str, float]:
-    """Seconds of each kernel's fastest call at ``num_rows`` rows of bfloat16 x.
-
-    The kernels are called in turn, each on its next copy, ``min_calls`` times and
-    then on while under ``budget_s``, up to ``max_calls``. The fastest call, not
-    the median: on a shared machine a call is only ever slowed, and its other
-    work stalled whole stretches of calls by a scheduler slice (~4 ms, 30x a
-    one-row call), enough to flip a median of a few calls and with it a choice
-    that is then cached. oneDNN's first call at a shape, which builds its
-    primitive, is one of the calls (not the fastest) rather than an untimed
-    warm-up that would cost the large products a call each.
-    """
-    x = torch.randn(num_rows, copies.plain[0].shape[1]).bfloat16()
-    calls = {name: KERNELS[name] for name in kernels}
+def fastest_call_s(calls: Mapping[str, Callable[[int], object]], min_calls: int = 3,
+                   max_calls: int = 15, budget_s: float = 0.02) -> dict[str, float]:
+    """Seconds of each call's fastest run: the calls in turn, each given the round's
+    index, ``min_calls`` rounds and then on while under ``budget_s``, up to
+    ``max_calls``. The fastest call, not the median: on a shared machine a call is
+    only ever slowed, and its other work stalled whole stretches of calls by a
+    scheduler slice (~4 ms, 30x a one-row call), enough to flip a median of a few
+    calls and with it a choice that is then cached."""
     fastest_s = dict.fromkeys(calls, float("inf"))
     start = time.perf_counter()
     for i in range(max_calls):
         if i >= min_calls and time.perf_counter() - start > budget_s:
             break
         for name, call in calls.items():
-            index = copies.next_index()
             call_start = time.perf_counter()
-            call(x, copies, index)
+            call(i)
             fastest_s[name] = min(fastest_s[name], time.perf_counter() - call_start)
     return fastest_s
+
+
+def time_rows(copies: WeightCopies, num_rows: int, kernels: Iterable[str], min_calls: int = 3,
+              max_calls: int = 15, budget_s: float = 0.02) -> dict[str, float]:
+    """Seconds of each kernel's fastest call (``fastest_call_s``) at ``num_rows`` rows
+    of bfloat16 x, each call on its next copy. oneDNN's first call at a shape,
+    which builds its primitive, is one of the calls (not the fastest) rather than
+    an untimed warm-up that would cost the large products a call each.
+    """
+    x = torch.randn(num_rows, copies.plain[0].shape[1]).bfloat16()
+    calls = {name: (lambda i, kernel=KERNELS[name]: kernel(x, copies, copies.next_index()))
+             for name in kernels}
+    return fastest_call_s(calls, min_calls, max_calls, budget_s)
+
+
+def measure_rows(num_rows: Iterable[int], time_at: Callable[[int], dict[str, float]],
+                 ours: str = OURS, theirs: str = ONEDNN,
+                 stop_at_first_loss: bool = True) -> dict[int, dict[str, float]]:
+    """rows -> name -> seconds, ``time_at(rows)`` for each count of ``num_rows``. A
+    count at which ``ours`` lost to ``theirs`` is timed once more (the faster of
+    the two counts), so that a stretch of stalls does not decide; then, unless
+    told otherwise, it stops (``choose_max_rows`` reads no further)."""
+    timings: dict[int, dict[str, float]] = {}
+    for rows in num_rows:
+        timings[rows] = time_at(rows)
+        if _ours_lost(timings[rows], ours, theirs):
+            again = time_at(rows)
+            timings[rows] = {name: min(s, again[name]) for name, s in timings[rows].items()}
+            if stop_at_first_loss and _ours_lost(timings[rows], ours, theirs):
+                break
+    return timings
 
 
 def measure_row_timings(out_features: int, in_features: int, num_rows: Iterable[int] = NUM_ROWS,
@@ -143,22 +166,13 @@ def measure_row_timings(out_features: int, in_features: int, num_rows: Iterable[
                         stop_at_first_loss: bool = True) -> dict[int, dict[str, float]]:
     """rows -> kernel -> seconds of its fastest call (``time_rows``) for an
     [out_features, in_features] bfloat16 weight (at most
-    ``MAX_MEASURED_OUT_FEATURES`` rows of it), with the
-    threads torch has now. A row count at which ours lost is timed once more (the
-    faster call of the two counts), so that a stretch of stalls does not decide;
-    then, unless told otherwise, it stops (``choose_max_rows`` reads no further)."""
+    ``MAX_MEASURED_OUT_FEATURES`` rows of it), with the threads torch has now,
+    measured as ``measure_rows`` says."""
     kernels = tuple(kernels)
     with torch.no_grad():
         copies = WeightCopies.make(min(out_features, MAX_MEASURED_OUT_FEATURES), in_features)
-        timings = {}
-        for rows in num_rows:
-            timings[rows] = time_rows(copies, rows, kernels)
-            if _ours_lost(timings[rows]):
-                again = time_rows(copies, rows, kernels)
-                timings[rows] = {name: min(s, again[name]) for name, s in timings[rows].items()}
-                if stop_at_first_loss and _ours_lost(timings[rows]):
-                    break
-    return timings
+        return measure_rows(num_rows, lambda rows: time_rows(copies, rows, kernels),
+                            stop_at_first_loss=stop_at_first_loss)
 
 
 def _ours_lost(timings: Mapping[str, float], ours: str = OURS, theirs: str = ONEDNN) -> bool:

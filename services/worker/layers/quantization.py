@@ -22,6 +22,7 @@ dequantize-then-GEMM at every row count up to 512, weight-only int8's up to
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 
 import torch
@@ -70,7 +71,7 @@ def quantize_per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch
     return qweight, scales
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(nn.Module, abc.ABC):
     """A linear layer on a quantized weight with two ways to multiply it: its
     kernel (``kernel_linear``, for the rows of a decode) and dequantize-then-GEMM
     (``dequantized_linear``). ``forward`` picks the kernel for up to
@@ -88,22 +89,22 @@ class QuantizedLinear(nn.Module):
         return True
 
     @property
+    @abc.abstractmethod
     def weight_format(self) -> str:
         """How the weight is stored and multiplied, e.g. ``"w8a8"``, ``"Q4_1"``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def kernel_linear(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` [M, in_features], contiguous, times the weight, without the bias."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def dequantized_linear(self, rows: torch.Tensor) -> torch.Tensor:
         """The same product, the weight dequantized to ``rows``' dtype a chunk at a time."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def narrow(self, out_features: int) -> QuantizedLinear:
         """A layer over this one's first ``out_features`` output channels (sharing
         its storage, no bias): what ``quantized_choice`` times for a tall head."""
-        raise NotImplementedError
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

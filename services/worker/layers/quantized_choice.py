@@ -37,7 +37,9 @@ from services.worker.layers.linear_choice import (
     MAX_MEASURED_OUT_FEATURES,
     cache_dir,
     choose_max_rows,
+    fastest_call_s,
     load_max_rows,
+    measure_rows,
     store_max_rows,
 )
 from services.worker.layers.quantization import QuantizedLinear
@@ -73,32 +75,20 @@ def layer_groups(layers: Iterable[QuantizedLinear]) -> dict[str, tuple[list[Quan
 
 def time_group(layers: Sequence[QuantizedLinear], num_rows: int, dtype: torch.dtype,
                min_calls: int = 3, max_calls: int = 10, budget_s: float = 0.02) -> dict[str, float]:
-    """Seconds of the fastest call of each way at ``num_rows`` rows, the two called in
-    turn, each time on the group's next layer (the fastest call, as in
-    ``linear_choice.time_rows``: a shared machine only ever slows a call)."""
+    """Seconds of the fastest call of each way at ``num_rows`` rows
+    (``linear_choice.fastest_call_s``), each round on the group's next layer."""
     x = torch.randn(num_rows, layers[0].in_features).to(dtype)
-    ways = {KERNEL: lambda layer: layer.kernel_linear(x),
-            DEQUANTIZE: lambda layer: layer.dequantized_linear(x)}
-    fastest_s = dict.fromkeys(ways, float("inf"))
-    start = time.perf_counter()
-    for i in range(max_calls):
-        if i >= min_calls and time.perf_counter() - start > budget_s:
-            break
-        layer = layers[i % len(layers)]
-        for name, call in ways.items():
-            call_start = time.perf_counter()
-            call(layer)
-            fastest_s[name] = min(fastest_s[name], time.perf_counter() - call_start)
-    return fastest_s
+    ways = {KERNEL: lambda i: layers[i % len(layers)].kernel_linear(x),
+            DEQUANTIZE: lambda i: layers[i % len(layers)].dequantized_linear(x)}
+    return fastest_call_s(ways, min_calls, max_calls, budget_s)
 
 
 def measure_model_rows(layers: Sequence[QuantizedLinear], dtype: torch.dtype,
                        num_rows: Iterable[int] = NUM_ROWS,
                        stop_at_first_loss: bool = True) -> dict[int, dict[str, float]]:
     """rows -> way -> seconds a step's worth of ``layers`` takes that way (each
-    group's fastest call times its count). A count at which the kernels lost is
-    measured once more (the faster of the two counts); then, unless told
-    otherwise, it stops."""
+    group's fastest call times its count), measured as ``linear_choice.measure_rows``
+    says: a count at which the kernels lost is timed once more, then it stops."""
     groups = layer_groups(layers)
 
     def step_s(rows: int) -> dict[str, float]:
@@ -108,20 +98,8 @@ def measure_model_rows(layers: Sequence[QuantizedLinear], dtype: torch.dtype,
                 totals[name] += seconds * count
         return totals
 
-    timings: dict[int, dict[str, float]] = {}
     with torch.no_grad():
-        for rows in num_rows:
-            timings[rows] = step_s(rows)
-            if _kernels_lost(timings[rows]):
-                again = step_s(rows)
-                timings[rows] = {name: min(s, again[name]) for name, s in timings[rows].items()}
-                if stop_at_first_loss and _kernels_lost(timings[rows]):
-                    break
-    return timings
-
-
-def _kernels_lost(timings: dict[str, float]) -> bool:
-    return timings[KERNEL] >= timings[DEQUANTIZE]
+        return measure_rows(num_rows, step_s, KERNEL, DEQUANTIZE, stop_at_first_loss)
 
 
 def quantized_layers(model: nn.Module) -> list[QuantizedLinear]:
