@@ -11,6 +11,7 @@ current one (vLLM's batch queue), as with a remote worker.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
@@ -42,6 +43,10 @@ class EngineCore:
         self.max_steps_in_flight = max_steps_in_flight
         self._batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self._pipeline = StepPipeline(worker) if max_steps_in_flight > 1 else None
+        if self._pipeline is not None:
+            # The pipeline's thread holds the worker: stop it once this core is
+            # dropped, or the model and KV cache (GPU memory) outlive ``del llm``.
+            weakref.finalize(self, self._pipeline.close)
 
     @classmethod
     def create(

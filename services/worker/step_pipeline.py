@@ -60,9 +60,14 @@ class StepPipeline:
         return future
 
     def close(self) -> None:
-        """Finishes the steps submitted so far, then stops the thread."""
+        """Finishes the steps submitted so far, then stops the thread.
+
+        Called on the pipeline's own thread (a finalizer run by a garbage
+        collection there), it only asks the thread to stop.
+        """
         self._queue.put(_CLOSE)
-        self._thread.join()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
 
     def _run(self) -> None:
         in_flight: tuple[WorkerStep, Future[ModelRunnerOutput], float] | None = None

@@ -7,7 +7,10 @@ model says is meaningless; the assertions compare runs with each other.
 
 from __future__ import annotations
 
+import gc
 import shutil
+import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -116,3 +119,24 @@ def test_rejected_request_leaves_nothing_behind(engine):
         engine.add_request("bad", "Hi", SamplingParams(max_tokens=300))
     assert not engine.has_unfinished_requests()
     assert engine.engine_core.scheduler.get_num_unfinished_requests() == 0
+
+
+def test_a_dropped_engine_frees_its_worker_and_stops_its_step_thread(tiny_model_dir):
+    """With asynchronous scheduling the worker runs on a StepPipeline thread; dropping
+    the engine must end that thread and free the model and KV cache (on a GPU,
+    ``del llm`` is how a script gets its memory back)."""
+    args = EngineArgs(model=str(tiny_model_dir), dtype="float32", device="cpu",
+                      num_kv_blocks=16, max_model_len=64, async_scheduling=True)
+    before = set(threading.enumerate())
+    engine = LLMEngine.from_engine_args(args)
+    engine.add_request("r", "Hello", greedy(4))
+    run_to_completion(engine)
+    worker = weakref.ref(engine.engine_core.worker)
+    threads = [t for t in set(threading.enumerate()) - before if t.name == "kvmesh-step-pipeline"]
+    assert threads
+    del engine
+    gc.collect()
+    assert worker() is None
+    for thread in threads:
+        thread.join(timeout=10)
+    assert not any(t.is_alive() for t in threads)
