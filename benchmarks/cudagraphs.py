@@ -19,6 +19,7 @@ Two tables:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
 import random
@@ -59,7 +60,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--modes", type=comma_list(str.upper),
-                        default=["NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE"],
+                        default=list(MODES),
                         help=f"comma-separated, from {', '.join(MODES)}")
     parser.add_argument("--batch-sizes", type=comma_list(int), default=[1, 8, 32, 128, 256])
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens of decode requests")
@@ -77,6 +78,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile the timed steps at the smallest batch size in each mode "
+                             "and print the ops that took the most host and device time")
     args = parser.parse_args()
     check_args(parser, args)
     return args
@@ -127,8 +131,11 @@ def decode_worker(model_dir: str, args: argparse.Namespace, mode: str) -> tuple[
     # The KV pool holds the largest batch and no more: zeroing a pool sized to
     # 90% of the GPU would only slow down each mode's start.
     num_kv_blocks = max_num_seqs * math.ceil(tokens_per_seq / BLOCK_SIZE) + 1
+    # The whole batch prefills in one step, so its requests decode in step and
+    # finish together: a batch prefilled over several steps would end unevenly
+    # and leave timed steps with fewer requests than the batch size.
     limits = SchedulingLimits(max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max(2048, max_num_seqs))
+                              max_num_batched_tokens=max(2048, max_num_seqs * args.prompt_len))
     config = WorkerConfig(
         model=model_dir, dtype=args.dtype, device=args.device, block_size=BLOCK_SIZE,
         num_kv_blocks=num_kv_blocks, limits=limits, cudagraph_mode=mode,
@@ -157,8 +164,10 @@ def engine_step(scheduler: Scheduler, worker: Worker) -> tuple[float, int]:
 
 
 def time_decode_steps(worker: Worker, scheduler: Scheduler, batch_size: int,
-                      args: argparse.Namespace, rng: random.Random) -> float:
-    """Median ms of ``--decode-steps`` pure decode steps of ``batch_size`` requests."""
+                      args: argparse.Namespace, rng: random.Random,
+                      around_timed: contextlib.AbstractContextManager | None = None) -> float:
+    """Median ms of ``--decode-steps`` pure decode steps of ``batch_size`` requests;
+    ``around_timed`` (a profiler, say) is entered for the timed steps alone."""
     max_tokens = args.warmup_steps + args.decode_steps + 2
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch_size):
@@ -170,11 +179,12 @@ def time_decode_steps(worker: Worker, scheduler: Scheduler, batch_size: int,
     for _ in range(args.warmup_steps):
         engine_step(scheduler, worker)
     times_s = []
-    for _ in range(args.decode_steps):
-        elapsed, num_tokens = engine_step(scheduler, worker)
-        if num_tokens != batch_size:
-            raise RuntimeError(f"a timed step scheduled {num_tokens} tokens, not one per request ({batch_size})")
-        times_s.append(elapsed)
+    with around_timed or contextlib.nullcontext():
+        for _ in range(args.decode_steps):
+            elapsed, num_tokens = engine_step(scheduler, worker)
+            if num_tokens != batch_size:
+                raise RuntimeError(f"a timed step scheduled {num_tokens} tokens, not one per request ({batch_size})")
+            times_s.append(elapsed)
     while scheduler.has_requests():
         engine_step(scheduler, worker)
     return statistics.median(times_s) * 1e3
@@ -185,9 +195,29 @@ def bench_decode_mode(model_dir: str, args: argparse.Namespace, mode: str) -> di
     worker, scheduler = decode_worker(model_dir, args, mode)
     rng = random.Random(1)
     step_ms = {b: time_decode_steps(worker, scheduler, b, args, rng) for b in args.batch_sizes}
+    if args.profile:
+        print_profile(worker, scheduler, mode, args, rng)
     del worker, scheduler
     release_memory(torch.device(args.device))
     return step_ms
+
+
+def print_profile(worker: Worker, scheduler: Scheduler, mode: str, args: argparse.Namespace,
+                  rng: random.Random) -> None:
+    """The ops of the timed steps at the smallest batch size, by host time and by device
+    time: what a step spends around the forward pass, and in it."""
+    batch_size = min(args.batch_sizes)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if worker.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(activities=activities)
+    time_decode_steps(worker, scheduler, batch_size, args, rng, around_timed=profiler)
+    events = profiler.key_averages()
+    print(f"\n{mode}: {args.decode_steps} decode steps of batch {batch_size}, by host time")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=25))
+    if worker.device.type == "cuda":
+        print(f"{mode}: the same steps by device time")
+        print(events.table(sort_by="self_device_time_total", row_limit=15))
 
 
 def print_decode_table(step_ms: dict[str, dict[int, float]], args: argparse.Namespace) -> None:
