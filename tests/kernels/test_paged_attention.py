@@ -11,6 +11,8 @@ import torch
 from kernels import paged_attention, paged_attention_ref, paged_attention_triton
 from kernels.paged_attention import PagedAttentionPlan, plan_paged_attention
 
+TRITON_ON_CPU = pytest.param(paged_attention_triton, marks=pytest.mark.triton_cpu)
+
 # Ragged batches: (q_lens, seq_lens). seq_len >= q_len; context = seq_len - q_len.
 DECODE_ONLY = ([1, 1, 1, 1], [1, 17, 40, 9])
 PREFILL_ONLY = ([23, 5], [23, 5])
@@ -115,7 +117,7 @@ def test_reference_half_precision(dtype):
     assert max_rel_error(out[:n], dense_causal_attention(batch, 0.125)[:n]) < 1e-2
 
 
-@pytest.mark.parametrize("impl", [paged_attention_ref, paged_attention_triton])
+@pytest.mark.parametrize("impl", [paged_attention_ref, TRITON_ON_CPU])
 def test_slots_past_seq_len_are_never_read(impl):
     # NaN in every slot a request does not own must not reach the output.
     batch = make_batch(*MIXED, 8, 4, 2, 32, seed=6)
@@ -128,7 +130,7 @@ def test_slots_past_seq_len_are_never_read(impl):
     assert torch.equal(impl(*batch.args(0.2)), expected)
 
 
-@pytest.mark.parametrize("impl", [paged_attention_ref, paged_attention_triton])
+@pytest.mark.parametrize("impl", [paged_attention_ref, TRITON_ON_CPU])
 def test_query_sliced_from_fused_qkv(impl):
     # The model splits one qkv projection: query rows are strided, not contiguous.
     batch = make_batch(*MIXED, 16, 4, 2, 32, seed=8)
@@ -150,6 +152,7 @@ TRITON_CASES = [
 ]
 
 
+@pytest.mark.triton_cpu
 @pytest.mark.parametrize("lens,block_size,num_heads,num_kv_heads,head_size", TRITON_CASES)
 def test_triton_matches_reference(lens, block_size, num_heads, num_kv_heads, head_size):
     batch = make_batch(*lens, block_size, num_heads, num_kv_heads, head_size, seed=block_size + 1)
@@ -161,6 +164,7 @@ def test_triton_matches_reference(lens, block_size, num_heads, num_kv_heads, hea
     assert torch.equal(out[n:], torch.zeros_like(out[n:]))
 
 
+@pytest.mark.triton_cpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_triton_half_precision(dtype):
     batch = make_batch(*MIXED, 16, 9, 3, 64, dtype=dtype, seed=3)
@@ -170,6 +174,7 @@ def test_triton_half_precision(dtype):
     assert max_rel_error(out[:n], dense_causal_attention(batch, 0.125)[:n]) < 2e-2
 
 
+@pytest.mark.triton_cpu
 def test_dispatch_force_triton(monkeypatch):
     batch = make_batch(*DECODE_ONLY, 8, 4, 2, 32, seed=9)
     monkeypatch.setenv("KVMESH_FORCE_TRITON", "1")

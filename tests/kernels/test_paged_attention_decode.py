@@ -46,6 +46,7 @@ def _check(out: torch.Tensor, batch: Batch, scale: float, tolerance: float) -> N
     assert torch.equal(out[n:], torch.zeros_like(out[n:]))
 
 
+@pytest.mark.triton_cpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("block_size,num_heads,num_kv_heads,num_splits", GEOMETRIES)
 @pytest.mark.parametrize("split", [False, True], ids=["one-pass", "split-kv"])
@@ -58,6 +59,7 @@ def test_long_decode_matches_reference(dtype, block_size, num_heads, num_kv_head
     _check(out, batch, 0.125, TOLERANCE[dtype])
 
 
+@pytest.mark.triton_cpu
 @pytest.mark.parametrize("num_splits", [2, 7, MAX_NUM_SPLITS])
 def test_empty_splits_are_harmless(num_splits):
     # Splits start on whole 64-key tiles: a 1-key and a 3-key request get one split with
@@ -66,6 +68,7 @@ def test_empty_splits_are_harmless(num_splits):
     _check(_run(batch, 0.125, num_splits), batch, 0.125, TOLERANCE[torch.float32])
 
 
+@pytest.mark.triton_cpu
 @pytest.mark.parametrize("num_splits", [1, 4, None], ids=["one-pass", "split-kv", "auto"])
 def test_padding_requests_write_nothing(num_splits):
     # num_actual_tokens = the real tokens: rows past them are zeroed, the rest match.
@@ -80,6 +83,7 @@ def test_padding_requests_write_nothing(num_splits):
     assert torch.equal(padded[:n], out[:n])
 
 
+@pytest.mark.triton_cpu
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_slots_past_seq_len_are_never_read(num_splits):
     batch = make_batch(*PADDED_DECODE, 16, 8, 2, 64, seed=22)
@@ -92,6 +96,7 @@ def test_slots_past_seq_len_are_never_read(num_splits):
     assert torch.equal(_run(batch, 0.2, num_splits), expected)
 
 
+@pytest.mark.triton_cpu
 def test_launch_ignores_max_seq_len():
     # A CUDA graph replays the max_seq_len of its capture for every batch: a wrong one
     # must change nothing, the automatic split included.
@@ -99,6 +104,7 @@ def test_launch_ignores_max_seq_len():
     assert torch.equal(_run(batch, 0.125, None, max_seq_len=1), _run(batch, 0.125, None))
 
 
+@pytest.mark.triton_cpu
 def test_auto_splits_small_decode_batch():
     # 3 requests x 2 kv heads = 6 programs on the 8 SMs assumed off-GPU: 3 splits reach
     # 2 programs per SM.

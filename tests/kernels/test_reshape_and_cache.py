@@ -7,7 +7,8 @@ import torch
 
 from kernels import reshape_and_cache, reshape_and_cache_ref, reshape_and_cache_triton
 
-IMPLS = [reshape_and_cache_ref, reshape_and_cache_triton]
+IMPLS = [reshape_and_cache_ref,
+         pytest.param(reshape_and_cache_triton, marks=pytest.mark.triton_cpu)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -87,6 +88,7 @@ def test_shape_mismatch_is_rejected():
                           torch.tensor([0]))
 
 
+@pytest.mark.triton_cpu
 def test_dispatch_force_triton(monkeypatch):
     monkeypatch.setenv("KVMESH_FORCE_TRITON", "1")
     kv_cache, key, value, slots = _case(7, 4, 16, 3, 64, torch.float32, seed=1)

@@ -12,7 +12,8 @@ from kernels import (
     compute_slot_mapping_triton,
 )
 
-IMPLS = [compute_slot_mapping_ref, compute_slot_mapping_triton]
+IMPLS = [compute_slot_mapping_ref,
+         pytest.param(compute_slot_mapping_triton, marks=pytest.mark.triton_cpu)]
 
 
 def _batch(num_computed: list[int], num_scheduled: list[int], block_size: int,
@@ -80,6 +81,7 @@ def test_random_batches(impl, block_size):
         assert torch.equal(out, expected)
 
 
+@pytest.mark.triton_cpu
 def test_dispatch_cpu_uses_reference(monkeypatch):
     monkeypatch.delenv("KVMESH_FORCE_TRITON", raising=False)
     tables = _batch([3, 0], [1, 9], 16, num_padding=3, seed=7)

@@ -178,6 +178,7 @@ def test_chunked_prefill_matches_hf(tiny_model_dir, hf_model):
         assert result.token_ids[f"r{i}"] == hf_greedy(hf_model, prompt, 8)
 
 
+@pytest.mark.triton_cpu
 def test_triton_kernels_path_matches_hf(tiny_model_dir, hf_model, monkeypatch):
     """The same runner through the Triton kernels (interpreted on the CPU)."""
     monkeypatch.setenv("KVMESH_FORCE_TRITON", "1")

@@ -68,7 +68,8 @@ def eager_tokens(tiny_llama) -> dict[str, list[int]]:
 @pytest.mark.parametrize("mode, kernels", [
     (M.FULL, "reference"), (M.FULL_AND_PIECEWISE, "reference"), (M.PIECEWISE, "reference"),
     # The Triton kernels (interpreted) with padding requests and padding rows.
-    (M.FULL, "triton"), (M.FULL_AND_PIECEWISE, "triton"),
+    pytest.param(M.FULL, "triton", marks=pytest.mark.triton_cpu),
+    pytest.param(M.FULL_AND_PIECEWISE, "triton", marks=pytest.mark.triton_cpu),
 ])
 def test_padded_batches_match_eager(tiny_llama, eager_tokens, mode, kernels, monkeypatch):
     if kernels == "triton":

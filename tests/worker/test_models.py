@@ -188,6 +188,7 @@ def test_paged_batch_matches_transformers(case: str, tmp_path: Path) -> None:
     assert_matches_hf(hf_model, logits, token_ids, atol=1e-4)
 
 
+@pytest.mark.triton_cpu
 def test_triton_kernels_in_the_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Same batch with the Triton kernels (TRITON_INTERPRET=1 on the CPU): they get the
     strided value view straight out of the fused qkv projection."""
