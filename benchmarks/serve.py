@@ -13,6 +13,9 @@ tables side by side with each one's throughput against the first:
 - ``in-process``: the offline engine (``LLMEngine``: scheduler and worker in
   this process, no network).
 
+The local cluster's worker and the in-process engine run on ``--device``
+(CUDA where there is one), each on its own share of the GPU's free memory.
+
 Workload: ``--num-prompts`` prompts of random token ids (input and output
 lengths drawn uniformly within ``--range-ratio`` of ``--input-len`` /
 ``--output-len``), greedy, ``ignore_eos`` so every request produces exactly
@@ -302,11 +305,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--request-rate", type=float, default=math.inf, help="req/s (inf: all at 0)")
     p.add_argument("--max-concurrency", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--device", default=None,
+                   help="the workers' and the in-process engine's device (default: cuda if "
+                        "there is one, else cpu)")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache on the CPU")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3,
+                   help="on CUDA, each engine's share of the free memory: the cluster's "
+                        "worker and the in-process engine hold theirs at once")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1,
                    help="alternate the backends' runs this many times; report each one's best")
     args = p.parse_args()
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.address and not args.http_url and {"openai", "openai-chat"} & set(args.backends):
         p.error("--backends openai / openai-chat with --address need --http-url")
     return args
@@ -322,7 +335,8 @@ def start_cluster(args: argparse.Namespace, stack: ExitStack) -> tuple[str, str]
     log_dir = Path(tempfile.mkdtemp(prefix="kvmesh-bench-"))
     config = ClusterConfig(
         model=args.model, max_model_len=args.max_model_len, log_dir=log_dir,
-        worker_args=["--kv-cache-gib", str(args.kv_cache_gib)],
+        worker_args=["--device", args.device, "--kv-cache-gib", str(args.kv_cache_gib),
+                     "--gpu-memory-utilization", str(args.gpu_memory_utilization)],
     )
     print(f"starting a local cluster (logs in {log_dir})...", flush=True)
     cluster = stack.enter_context(LocalCluster(config))
@@ -333,7 +347,8 @@ def make_inprocess_engine(args: argparse.Namespace, workload: list[BenchRequest]
     from kvmesh.offline import EngineArgs, LLMEngine
 
     engine = LLMEngine.from_engine_args(EngineArgs(
-        model=args.model, max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
+        model=args.model, max_model_len=args.max_model_len, device=args.device,
+        kv_cache_gib=args.kv_cache_gib, gpu_memory_utilization=args.gpu_memory_utilization,
     ))
     run_inprocess(engine, workload[:1], 1, "warm-up")
     return engine
@@ -377,7 +392,7 @@ def main() -> None:
     best = {name: max(r, key=lambda s: s[THROUGHPUT]) for name, r in runs.items()}
     print(f"\n{args.num_prompts} prompts, input {args.input_len}, output {args.output_len} "
           f"(range ratio {args.range_ratio}), rate {args.request_rate} req/s, "
-          f"max concurrency {args.max_concurrency}, greedy, ignore_eos; "
+          f"max concurrency {args.max_concurrency}, greedy, ignore_eos, on {args.device}; "
           f"best of {args.repeats} run(s)\n")
     print_table(best)
     first, *others = args.backends
