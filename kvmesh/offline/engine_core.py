@@ -46,7 +46,9 @@ class EngineCore:
         if self._pipeline is not None:
             # The pipeline's thread holds the worker: stop it once this core is
             # dropped, or the model and KV cache (GPU memory) outlive ``del llm``.
-            weakref.finalize(self, self._pipeline.close)
+            # Not at exit: the process frees everything then, and waiting on a
+            # step in flight would only delay it.
+            weakref.finalize(self, self._pipeline.close).atexit = False
 
     @classmethod
     def create(
