@@ -127,21 +127,25 @@ def candidates(out_features: int, in_features: int) -> dict[str, tuple[list, Cal
 def print_bf16_choice() -> None:
     """Per worker shape: us per call of each kernel at each row count, the kernel
     chosen there, and the threshold the worker would store."""
+    theirs = linear_choice.rival()
+    # Without native bfloat16 oneDNN packs no bfloat16 weight: plain is all it has.
     kernels = (linear_choice.OURS, linear_choice.ONEDNN, linear_choice.ONEDNN_PLAIN)
+    if theirs == linear_choice.ONEDNN_PLAIN:
+        kernels = (linear_choice.OURS, linear_choice.ONEDNN_PLAIN)
     print(f"\nbfloat16 choice, {torch.get_num_threads()} threads: us per call (fastest of "
           f"a few, weights from memory), chosen = {linear_choice.OURS} up to max_rows")
     for name, (out_features, in_features) in WORKER_SHAPES.items():
         timings = linear_choice.measure_row_timings(out_features, in_features, kernels=kernels,
-                                                    stop_at_first_loss=False)
-        max_rows = linear_choice.choose_max_rows(timings)
+                                                    theirs=theirs, stop_at_first_loss=False)
+        max_rows = linear_choice.choose_max_rows(timings, theirs=theirs)
         rows_text = "any" if max_rows == UNBOUNDED_ROWS else str(max_rows)
         measured = min(out_features, linear_choice.MAX_MEASURED_OUT_FEATURES)
         print(f"\n{name} [{out_features} x {in_features}] (measured on {measured} rows): "
               f"max_rows {rows_text}")
         print(f"{'M':>4} " + "".join(f"{k:>18}" for k in kernels) + f"{'chosen':>18}")
         # Above max_rows a Bf16Linear runs oneDNN on its plain weight; with no
-        # rows of ours the layer stays a PackedLinear (prepacked).
-        above = linear_choice.ONEDNN_PLAIN if max_rows > 0 else linear_choice.ONEDNN
+        # rows of ours the layer stays a PackedLinear (prepacked) where it can.
+        above = linear_choice.ONEDNN_PLAIN if max_rows > 0 else theirs
         for rows, by_kernel in timings.items():
             chosen = linear_choice.OURS if rows <= max_rows else above
             print(f"{rows:>4} " + "".join(f"{by_kernel[k] * 1e6:18.1f}" for k in kernels)

@@ -20,9 +20,10 @@ from services.worker.model_loader import load_model
 from tests.worker.test_models import save_tiny_hf_model
 from tests.worker.test_quantization import perplexity
 
-pytestmark = pytest.mark.skipif(
-    not has_cpu_kernel("bf16_linear_dispatch") or not can_pack(torch.bfloat16, torch.device("cpu")),
-    reason="kvmesh's CPU kernels (AVX-512 or AVX2) and oneDNN's bfloat16 are needed")
+pytestmark = pytest.mark.skipif(not has_cpu_kernel("bf16_linear_dispatch"),
+                                reason="kvmesh's CPU kernels (AVX-512 or AVX2) are needed")
+# Where oneDNN has no native bfloat16 (AVX2-only CPUs) it packs no bfloat16 weight.
+NATIVE_BF16 = can_pack(torch.bfloat16, torch.device("cpu"))
 IN_FEATURES, OUT_FEATURES = 96, 44
 
 
@@ -95,14 +96,36 @@ def test_refuses_what_it_cannot_serve() -> None:
 
 
 def test_cpu_linear_follows_the_table() -> None:
-    """Bfloat16 shapes with rows of our kernel get Bf16Linear; 0 rows, a shape not
-    in the table and float32 get oneDNN's PackedLinear."""
+    """Bfloat16 shapes with rows of our kernel get Bf16Linear; 0 rows and a shape not
+    in the table get oneDNN's PackedLinear where oneDNN runs bfloat16 natively, else
+    None (nn.Linear stays); float32 gets PackedLinear."""
     weight = torch.zeros(8, 64, dtype=torch.bfloat16)
     layer = cpu_linear(weight, None, {(8, 64): 16})
     assert isinstance(layer, Bf16Linear) and layer.max_rows == 16
-    assert isinstance(cpu_linear(weight, None, {(8, 64): 0}), PackedLinear)
-    assert isinstance(cpu_linear(weight, None, {(8, 32): 16}), PackedLinear)
+    unserved = PackedLinear if NATIVE_BF16 else type(None)
+    assert isinstance(cpu_linear(weight, None, {(8, 64): 0}), unserved)
+    assert isinstance(cpu_linear(weight, None, {(8, 32): 16}), unserved)
     assert isinstance(cpu_linear(weight.float(), None, {(8, 64): 16}), PackedLinear)
+
+
+@pytest.mark.parametrize("max_rows", [0, UNBOUNDED_ROWS])
+def test_without_native_bf16_our_kernel_serves_or_nn_linear_stays(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_rows: int) -> None:
+    """Where oneDNN cannot pack bfloat16 (as on AVX2-only CPUs), a bfloat16 model's
+    layers with rows of our kernel become Bf16Linear and the others stay nn.Linear:
+    none is packed."""
+    save_tiny_hf_model(tmp_path, transformers.LlamaConfig, tie_word_embeddings=False)
+    monkeypatch.setattr("services.worker.layers.packed_linear.can_pack",
+                        lambda dtype, device: dtype is not torch.bfloat16)
+    monkeypatch.setattr("services.worker.models.llama.bf16_max_rows_by_shape",
+                        lambda weights: {tuple(w.shape): max_rows for w in weights})
+    model, config = load_model(tmp_path, "bfloat16", "cpu")
+    served = model.pack_weights_()
+    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
+    layers += [m for m in model.modules() if isinstance(m, Bf16Linear)]
+    expected = Bf16Linear if max_rows else torch.nn.Linear
+    assert layers and all(type(m) is expected for m in layers)
+    assert served == (4 * config.num_layers + 1 if max_rows else 0)
 
 
 @pytest.mark.skipif(not cpp_compiler_available(), reason="inductor needs a C++ compiler")

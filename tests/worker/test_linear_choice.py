@@ -14,14 +14,25 @@ from services.worker.layers import linear_choice
 from services.worker.layers.bf16_linear import UNBOUNDED_ROWS
 from services.worker.layers.linear_choice import (ONEDNN, ONEDNN_PLAIN, OURS,
                                                   bf16_max_rows_by_shape, choose_max_rows,
-                                                  measure_row_timings)
+                                                  measure_row_timings, rival)
+from services.worker.layers.packed_linear import can_pack
 
 needs_kernel = pytest.mark.skipif(not has_cpu_kernel("bf16_linear_dispatch"),
                                   reason="kvmesh's CPU kernels are built for AVX-512 and AVX2")
 
 
-def _timings(ours_us: dict[int, float], onednn_us: float = 100.0) -> dict[int, dict[str, float]]:
-    return {rows: {OURS: us * 1e-6, ONEDNN: onednn_us * 1e-6} for rows, us in ours_us.items()}
+# What ours is measured against here: oneDNN prepacked, or plain where oneDNN has no
+# native bfloat16 (AVX2-only CPUs).
+RIVAL = rival()
+
+
+def _timings(ours_us: dict[int, float], onednn_us: float = 100.0,
+             theirs: str = ONEDNN) -> dict[int, dict[str, float]]:
+    return {rows: {OURS: us * 1e-6, theirs: onednn_us * 1e-6} for rows, us in ours_us.items()}
+
+
+def test_the_rival_is_what_onednn_runs_here() -> None:
+    assert RIVAL == (ONEDNN if can_pack(torch.bfloat16, torch.device("cpu")) else ONEDNN_PLAIN)
 
 
 @pytest.mark.parametrize(("ours_us", "expected"), [
@@ -46,21 +57,23 @@ def test_measurement_stops_after_a_confirmed_loss(monkeypatch: pytest.MonkeyPatc
 
     def fake_time_rows(copies, num_rows: int, kernels) -> dict[str, float]:
         calls.append(num_rows)
-        return {OURS: sequence[num_rows].pop(0) * 1e-6, ONEDNN: 100e-6}
+        return {OURS: sequence[num_rows].pop(0) * 1e-6, RIVAL: 100e-6}
 
     monkeypatch.setattr(linear_choice, "time_rows", fake_time_rows)
     timings = measure_row_timings(64, 64, num_rows=(1, 2, 4, 8))
     assert calls == [1, 1, 2, 4, 4]  # 8 never measured
-    assert timings[1][OURS] == pytest.approx(60e-6) and choose_max_rows(timings) == 2
+    assert timings[1][OURS] == pytest.approx(60e-6)
+    assert choose_max_rows(timings, theirs=RIVAL) == 2
 
 
 @needs_kernel
 def test_real_measurement_times_each_kernel() -> None:
-    timings = measure_row_timings(64, 64, num_rows=(1, 3), kernels=(OURS, ONEDNN, ONEDNN_PLAIN),
+    kernels = {OURS, ONEDNN_PLAIN, RIVAL}  # oneDNN prepacked only where it runs bfloat16
+    timings = measure_row_timings(64, 64, num_rows=(1, 3), kernels=kernels,
                                   stop_at_first_loss=False)
     assert sorted(timings) == [1, 3]
     assert all(0 < s < 1 for t in timings.values() for s in t.values())
-    assert all(set(t) == {OURS, ONEDNN, ONEDNN_PLAIN} for t in timings.values())
+    assert all(set(t) == kernels for t in timings.values())
 
 
 @pytest.fixture
@@ -72,7 +85,7 @@ def fake_measurement(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[tu
 
     def fake_measure(out_features: int, in_features: int) -> dict[int, dict[str, float]]:
         measured.append((out_features, in_features))
-        return _timings({1: 50, 8: 60, 16: 150})
+        return _timings({1: 50, 8: 60, 16: 150}, theirs=RIVAL)
 
     monkeypatch.setattr(linear_choice, "measure_row_timings", fake_measure)
     return measured
@@ -90,7 +103,7 @@ def test_each_shape_is_measured_once_then_read(fake_measurement: list) -> None:
     assert bf16_max_rows_by_shape(weights) == {(32, 64): 8, (64, 96): 8}
     assert len(fake_measurement) == 2  # the second time, from the files
     stored = json.loads((linear_choice.cache_dir() / "64x96.json").read_text())
-    assert stored["max_rows"] == 8 and stored["timings_us"]["16"] == {OURS: 150.0, ONEDNN: 100.0}
+    assert stored["max_rows"] == 8 and stored["timings_us"]["16"] == {OURS: 150.0, RIVAL: 100.0}
 
 
 @needs_kernel

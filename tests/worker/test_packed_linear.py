@@ -58,7 +58,8 @@ def test_compiled_graphs_call_the_packed_kernel() -> None:
         for num_rows in (1, 5, 9):  # batch of one, then the dynamic graph twice
             x = torch.randn(num_rows, 48).to(linear.weight.dtype)
             out, codes = run_and_get_code(compiled, packed, x)
-            assert torch.equal(out, mlp(packed, x))
+            # Equal up to float32 rounding: inductor fuses the silu its own way.
+            torch.testing.assert_close(out, mlp(packed, x))
             codes_seen += codes
     # The graphs call oneDNN itself, not the custom op's Python body.
     code = "\n".join(codes_seen)

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from kernels.cpu_extension import BUILD_INPUTS
 from services.common.model_files import cache_root
 from services.worker.layers.bf16_linear import UNBOUNDED_ROWS, can_use_bf16_kernel
+from services.worker.layers.packed_linear import can_pack
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,8 @@ class WeightCopies:
         num_bytes = weight.numel() * weight.element_size()
         num_copies = min(MAX_COPIES, max(1, round(_last_level_cache_bytes() / num_bytes)))
         plain = list(weight.expand(num_copies, out_features, in_features).contiguous())
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in plain[:MAX_PACKED_COPIES]]
+        packed = ([torch.ops.mkldnn._reorder_linear_weight(w) for w in plain[:MAX_PACKED_COPIES]]
+                  if can_pack(torch.bfloat16, weight.device) else [])
         return cls(plain, packed)
 
     def next_index(self) -> int:
@@ -95,6 +97,14 @@ KERNELS: dict[str, Callable[[torch.Tensor, WeightCopies, int], torch.Tensor]] = 
                                                                None, "none", [], ""),
     ONEDNN_PLAIN: lambda x, w, i: F.linear(x, w.plain[i % len(w.plain)]),
 }
+
+
+def rival() -> str:
+    """What our kernel is measured against, and what ``Bf16Linear`` runs above its
+    ``max_rows``: oneDNN's prepacked linear where oneDNN has native bfloat16, else
+    ``F.linear`` on the plain weight (AVX2-only CPUs, where ours won 3-10x from 8
+    rows on and tied at one)."""
+    return ONEDNN if can_pack(torch.bfloat16, torch.device("cpu")) else ONEDNN_PLAIN
 
 
 def _last_level_cache_bytes() -> int:
@@ -162,17 +172,19 @@ def measure_rows(num_rows: Iterable[int], time_at: Callable[[int], dict[str, flo
 
 
 def measure_row_timings(out_features: int, in_features: int, num_rows: Iterable[int] = NUM_ROWS,
-                        kernels: Iterable[str] = (OURS, ONEDNN),
+                        kernels: Iterable[str] | None = None, theirs: str | None = None,
                         stop_at_first_loss: bool = True) -> dict[int, dict[str, float]]:
     """rows -> kernel -> seconds of its fastest call (``time_rows``) for an
     [out_features, in_features] bfloat16 weight (at most
     ``MAX_MEASURED_OUT_FEATURES`` rows of it), with the threads torch has now,
-    measured as ``measure_rows`` says."""
-    kernels = tuple(kernels)
+    measured as ``measure_rows`` says against ``theirs`` (default: ``rival()``);
+    ``kernels`` defaults to ours and theirs."""
+    theirs = theirs or rival()
+    kernels = tuple(kernels or (OURS, theirs))
     with torch.no_grad():
         copies = WeightCopies.make(min(out_features, MAX_MEASURED_OUT_FEATURES), in_features)
         return measure_rows(num_rows, lambda rows: time_rows(copies, rows, kernels),
-                            stop_at_first_loss=stop_at_first_loss)
+                            theirs=theirs, stop_at_first_loss=stop_at_first_loss)
 
 
 def _ours_lost(timings: Mapping[str, float], ours: str = OURS, theirs: str = ONEDNN) -> bool:
@@ -267,7 +279,7 @@ def bf16_max_rows_by_shape(weights: Iterable[torch.Tensor]) -> dict[tuple[int, i
         if max_rows is None:
             start = time.perf_counter()
             timings = measure_row_timings(*shape)
-            max_rows = choose_max_rows(timings)
+            max_rows = choose_max_rows(timings, theirs=rival())
             store_max_rows(path, max_rows, timings)
             logger.info("event=linear_choice_measured shape=%s max_rows=%d seconds=%.2f path=%s",
                         shape, max_rows, time.perf_counter() - start, path)

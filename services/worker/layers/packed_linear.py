@@ -99,25 +99,32 @@ class PackedLinear(nn.Module):
 
 
 def cpu_linear(weight: torch.Tensor, bias: torch.Tensor | None,
-               bf16_max_rows: Mapping[tuple[int, int], int]) -> nn.Module:
-    """The CPU layer for a weight that ``can_pack``: a ``Bf16Linear`` where the weight
-    is bfloat16 and ``bf16_max_rows`` (shape -> rows, from
-    ``linear_choice.bf16_max_rows_by_shape``) gives its shape at least one row of
-    kvmesh's kernel, else a ``PackedLinear``."""
+               bf16_max_rows: Mapping[tuple[int, int], int]) -> nn.Module | None:
+    """The CPU layer for a weight: a ``Bf16Linear`` where the weight is bfloat16 and
+    ``bf16_max_rows`` (shape -> rows, from ``linear_choice.bf16_max_rows_by_shape``)
+    gives its shape at least one row of kvmesh's kernel, else a ``PackedLinear``
+    where it ``can_pack``, else None (``nn.Linear`` serves it as well as anything).
+
+    Where oneDNN has no native bfloat16 (AVX2-only CPUs) a bfloat16 weight is never
+    packed, but kvmesh's kernel still serves it up to its measured row count.
+    """
     max_rows = bf16_max_rows.get(tuple(weight.shape), 0) if weight.dtype is torch.bfloat16 else 0
-    return Bf16Linear(weight, bias, max_rows) if max_rows > 0 else PackedLinear(weight, bias)
+    if max_rows > 0:
+        return Bf16Linear(weight, bias, max_rows)
+    return PackedLinear(weight, bias) if can_pack(weight.dtype, weight.device) else None
 
 
 def pack_linears_(module: nn.Module,
                   bf16_max_rows: Mapping[tuple[int, int], int] | None = None) -> int:
-    """Replaces every ``nn.Linear`` inside ``module`` whose weight ``can_pack`` with
-    its ``cpu_linear`` (all ``PackedLinear`` without ``bf16_max_rows``); returns how
-    many were replaced."""
+    """Replaces every ``nn.Linear`` inside ``module`` that has a ``cpu_linear`` with it
+    (a ``PackedLinear`` wherever it ``can_pack``, without ``bf16_max_rows``);
+    returns how many were replaced."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            if can_pack(child.weight.dtype, child.weight.device):
-                setattr(module, name, cpu_linear(child.weight, child.bias, bf16_max_rows or {}))
+            layer = cpu_linear(child.weight, child.bias, bf16_max_rows or {})
+            if layer is not None:
+                setattr(module, name, layer)
                 count += 1
         else:
             count += pack_linears_(child, bf16_max_rows)

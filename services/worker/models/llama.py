@@ -27,8 +27,7 @@ from services.worker.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_r
 from services.worker.layers.bf16_linear import Bf16Linear
 from services.worker.layers.gguf_linear import GGUFLinear
 from services.worker.layers.linear_choice import bf16_max_rows_by_shape
-from services.worker.layers.packed_linear import (PackedLinear, can_pack, cpu_linear,
-                                                  pack_linears_)
+from services.worker.layers.packed_linear import PackedLinear, cpu_linear, pack_linears_
 from services.worker.layers.quantization import Int8Linear, quantize_linears_int8
 from services.worker.layers.quantized_choice import set_kernel_max_rows_
 
@@ -366,7 +365,7 @@ class LlamaForCausalLM(nn.Module):
         """Gives every float linear layer and the LM head its CPU kernel (``cpu_linear``):
         bfloat16 ones kvmesh's kernel up to the row count this machine measured it
         faster at (``Bf16Linear``), the rest oneDNN's prepacked linear
-        (``PackedLinear``); returns how many were replaced, 0 where ``can_pack`` says no.
+        (``PackedLinear``); returns how many were replaced, 0 where neither serves.
 
         Call once the weights are final (loaded, quantized): a packed weight can
         no longer be loaded into, cast or read. A tied head gets its own packed
@@ -381,11 +380,11 @@ class LlamaForCausalLM(nn.Module):
         head = self.lm_head
         heads = [head] if isinstance(head, (nn.Linear, nn.Embedding)) else []
         linears = [m for m in self.model.modules() if isinstance(m, nn.Linear)] + heads
-        bf16_max_rows = bf16_max_rows_by_shape(
-            m.weight for m in linears if can_pack(m.weight.dtype, m.weight.device))
+        bf16_max_rows = bf16_max_rows_by_shape(m.weight for m in linears)
         count = pack_linears_(self.model, bf16_max_rows)
-        if heads and can_pack(head.weight.dtype, head.weight.device):
-            self.lm_head = cpu_linear(head.weight, getattr(head, "bias", None), bf16_max_rows)
+        layer = cpu_linear(head.weight, getattr(head, "bias", None), bf16_max_rows) if heads else None
+        if layer is not None:
+            self.lm_head = layer
             count += 1
         return count
 
