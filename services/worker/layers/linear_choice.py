@@ -102,7 +102,7 @@ KERNELS: dict[str, Callable[[torch.Tensor, WeightCopies, int], torch.Tensor]] = 
 def rival() -> str:
     """What our kernel is measured against, and what ``Bf16Linear`` runs above its
     ``max_rows``: oneDNN's prepacked linear where oneDNN has native bfloat16, else
-    ``F.linear`` on the plain weight (AVX2-only CPUs, where ours won 3-10x from 8
+    ``F.linear`` on the plain weight (AVX2-only CPUs, where ours won 3-5x from 8
     rows on and tied at one)."""
     return ONEDNN if can_pack(torch.bfloat16, torch.device("cpu")) else ONEDNN_PLAIN
 
