@@ -62,7 +62,9 @@ def test_dequantized_gemm_in_chunks_of_output_channels(monkeypatch: pytest.Monke
     x = torch.randn(DEFAULT_KERNEL_MAX_ROWS + 1, 64, generator=torch.Generator().manual_seed(3))
     whole = layer(x)
     monkeypatch.setattr(quantization, "_DEQUANTIZE_CHUNK_BYTES", 7 * 64 * 4)  # chunks of 7
-    assert torch.equal(layer(x), whole)
+    # Equal up to float32 rounding: the GEMM's summation order may change with the
+    # number of output channels (it does on an AVX2-only AMD EPYC).
+    torch.testing.assert_close(layer(x), whole)
 
 
 def test_blocks_of_the_wrong_width_are_refused() -> None:
