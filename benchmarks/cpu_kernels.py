@@ -129,9 +129,9 @@ def print_bf16_choice() -> None:
     chosen there, and the threshold the worker would store."""
     theirs = linear_choice.rival()
     # Without native bfloat16 oneDNN packs no bfloat16 weight: plain is all it has.
-    kernels = (linear_choice.OURS, linear_choice.ONEDNN, linear_choice.ONEDNN_PLAIN)
-    if theirs == linear_choice.ONEDNN_PLAIN:
-        kernels = (linear_choice.OURS, linear_choice.ONEDNN_PLAIN)
+    kernels = (linear_choice.OURS, linear_choice.ONEDNN_PLAIN)
+    if theirs == linear_choice.ONEDNN:
+        kernels = (linear_choice.OURS, linear_choice.ONEDNN, linear_choice.ONEDNN_PLAIN)
     print(f"\nbfloat16 choice, {torch.get_num_threads()} threads: us per call (fastest of "
           f"a few, weights from memory), chosen = {linear_choice.OURS} up to max_rows")
     for name, (out_features, in_features) in WORKER_SHAPES.items():

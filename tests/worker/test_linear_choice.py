@@ -83,7 +83,8 @@ def fake_measurement(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[tu
     monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path))
     measured = []
 
-    def fake_measure(out_features: int, in_features: int) -> dict[int, dict[str, float]]:
+    def fake_measure(out_features: int, in_features: int,
+                     theirs: str | None = None) -> dict[int, dict[str, float]]:
         measured.append((out_features, in_features))
         return _timings({1: 50, 8: 60, 16: 150}, theirs=RIVAL)
 

@@ -272,14 +272,15 @@ def bf16_max_rows_by_shape(weights: Iterable[torch.Tensor]) -> dict[tuple[int, i
     if not shapes:
         return {}
     directory = cache_dir()
+    theirs = rival()
     table = {}
     for shape in shapes:
         path = _cache_file(directory, shape)
         max_rows = load_max_rows(path)
         if max_rows is None:
             start = time.perf_counter()
-            timings = measure_row_timings(*shape)
-            max_rows = choose_max_rows(timings, theirs=rival())
+            timings = measure_row_timings(*shape, theirs=theirs)
+            max_rows = choose_max_rows(timings, theirs=theirs)
             store_max_rows(path, max_rows, timings)
             logger.info("event=linear_choice_measured shape=%s max_rows=%d seconds=%.2f path=%s",
                         shape, max_rows, time.perf_counter() - start, path)
