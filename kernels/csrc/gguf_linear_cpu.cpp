@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #define KVMESH_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define KVMESH_VNNI \
@@ -409,24 +410,204 @@ void gguf_linear_kernel(const at::Tensor& x, const at::Tensor& qweight, int64_t 
   });
 }
 
-at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, int64_t quant_type,
-                           bool use_vnni) {
+// ---- AVX2 on rows packed by eight (kernels/gguf_linear_cpu.py: pack_rows) ----
+//
+// Packed at load, a group of 8 weight rows stores each block b as the 8 rows'
+// float16 d (then, for Q4_1, their 8 m), then the rows' quants in 4-byte chunks:
+// chunk j of row 0, of row 1, ... of row 7, then chunk j + 1. One 256-bit load is
+// then chunk j of all 8 rows, and a broadcast of the activation's chunk j
+// multiplies into it so that every row's products land on that row's own int32
+// lane: no horizontal sums, and each scale is one vector for 8 rows. The Q4 products
+// (nibble x int8, at most 2 * 15 * 127 per int16 lane) of a whole block sum in
+// int16 without overflow (8 * 3810 < 32767); Q8_0 widens each chunk to int32.
+
+constexpr int64_t kPackRows = 8;
+
+// One activation row's blocks: q_x in order, d_x, and aux (Q4_0: -8 * sum(q_x) as
+// int32; Q4_1: d_x * sum(q_x) as float; Q8_0: unused).
+struct PackedX {
+  const int8_t* q;
+  const float* d;
+  const int32_t* aux;
+};
+
+KVMESH_AVX2 inline __m256i broadcast_chunk(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm256_set1_epi32(v);
+}
+
+// The 8 rows' integer dot products with one activation block, one per int32 lane.
+template <int64_t QT>
+KVMESH_AVX2 inline __m256i block_dots_packed(const __m256i* w, const int8_t* xq) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (QT == kQ8_0) {
+    __m256i s = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {  // |w| x (x with w's sign): at most 2 * 128 * 127
+      const __m256i x = broadcast_chunk(xq + 4 * j);
+      s = _mm256_add_epi32(s, _mm256_madd_epi16(
+          _mm256_maddubs_epi16(_mm256_sign_epi8(w[j], w[j]), _mm256_sign_epi8(x, w[j])), ones));
+    }
+    return s;
+  } else {  // w[j]: chunk j's low nibbles (quants 4j..4j+3); w[4 + j]: its high (16 + 4j..)
+    __m256i s16 = _mm256_maddubs_epi16(w[0], broadcast_chunk(xq));
+    for (int j = 1; j < 8; ++j) {
+      const int64_t at = j < 4 ? 4 * j : 16 + 4 * (j - 4);
+      s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], broadcast_chunk(xq + at)));
+    }
+    return _mm256_madd_epi16(s16, ones);
+  }
+}
+
+// acc[m] (lane r: weight row r) += block b's products for MB activation rows.
+template <int64_t QT, int64_t MB>
+KVMESH_AVX2 void dot_group_packed(const uint8_t* group, int64_t num_blocks, const PackedX* xs,
+                                  __m256 (&acc)[MB]) {
+  using F = Format<QT>;
+  constexpr int64_t kScaleBytes = kPackRows * F::kQs;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* blk = group + b * kPackRows * F::kBytes;
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    __m256 mw = _mm256_setzero_ps();
+    if constexpr (QT == kQ4_1) {
+      mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+    }
+    const uint8_t* qs = blk + kScaleBytes;
+    __m256i w[8];
+    for (int j = 0; j < (QT == kQ8_0 ? 8 : 4); ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+      if constexpr (QT == kQ8_0) {
+        w[j] = v;
+      } else {
+        w[j] = _mm256_and_si256(v, low);
+        w[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+    }
+    for (int64_t m = 0; m < MB; ++m) {
+      __m256i s = block_dots_packed<QT>(w, xs[m].q + b * kBlock);
+      if constexpr (QT == kQ4_0) s = _mm256_add_epi32(s, _mm256_set1_epi32(xs[m].aux[b]));
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xs[m].d[b]));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[m]);
+      if constexpr (QT == kQ4_1) {
+        float min_term;
+        std::memcpy(&min_term, &xs[m].aux[b], sizeof(min_term));
+        acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(min_term), acc[m]);
+      }
+    }
+  }
+}
+
+template <int64_t QT, int64_t MB>
+KVMESH_AVX2 void dot_packed(const uint8_t* group, int64_t num_blocks, const PackedX* xs,
+                            float* out) {
+  __m256 acc[MB];
+  for (int64_t m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  dot_group_packed<QT, MB>(group, num_blocks, xs, acc);
+  for (int64_t m = 0; m < MB; ++m) _mm256_storeu_ps(out + m * kPackRows, acc[m]);
+}
+
+using DotPacked = void (*)(const uint8_t*, int64_t, const PackedX*, float*);
+
+template <int64_t QT>
+DotPacked dot_packed_for(int64_t mb) {
+  return mb == 1 ? dot_packed<QT, 1> : mb == 2 ? dot_packed<QT, 2>
+       : mb == 3 ? dot_packed<QT, 3> : dot_packed<QT, 4>;
+}
+
+// Activation rows quantized per block, in order: int8 [M, K], d [M, K / 32], aux.
+KVMESH_AVX2 void quantize_rows_packed(const float* x, int64_t M, int64_t K, int64_t quant_type,
+                                      int8_t* q, float* d, int32_t* aux) {
+  const int64_t num_blocks = K / kBlock;
+  for (int64_t i = 0; i < M * num_blocks; ++i) {
+    const XBlock xb = quantize_block(x + i * kBlock);
+    std::memcpy(q + i * kBlock, xb.q, kBlock);
+    d[i] = xb.d;
+    if (quant_type == kQ4_1) {
+      const float v = xb.d * static_cast<float>(xb.sum);
+      std::memcpy(aux + i, &v, sizeof(v));
+    } else {
+      aux[i] = -8 * xb.sum;
+    }
+  }
+}
+
+template <typename scalar_t>
+void gguf_linear_packed_kernel(const at::Tensor& x, const at::Tensor& packed, int64_t quant_type,
+                               at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  const int64_t num_blocks = K / kBlock, row_bytes = packed.size(1);
+  const at::Tensor x_float = x.to(at::kFloat).contiguous();
+  at::Tensor q = at::empty({M * K}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({M * num_blocks}, x.options().dtype(at::kFloat));
+  at::Tensor aux = at::empty({M * num_blocks}, x.options().dtype(at::kInt));
+  quantize_rows_packed(x_float.data_ptr<float>(), M, K, quant_type, q.data_ptr<int8_t>(),
+                       d.data_ptr<float>(), aux.data_ptr<int32_t>());
+  DotPacked kernels[kMaxXRows];
+  for (int64_t mb = 1; mb <= kMaxXRows; ++mb) {
+    kernels[mb - 1] = quant_type == kQ4_0 ? dot_packed_for<kQ4_0>(mb)
+                    : quant_type == kQ4_1 ? dot_packed_for<kQ4_1>(mb) : dot_packed_for<kQ8_0>(mb);
+  }
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  std::vector<PackedX> xs(M);
+  for (int64_t m = 0; m < M; ++m) {
+    xs[m] = {q.data_ptr<int8_t>() + m * K, d.data_ptr<float>() + m * num_blocks,
+             aux.data_ptr<int32_t>() + m * num_blocks};
+  }
+  kvmesh::for_each_row_group<kPackRows>(N, w, row_bytes, [&](int64_t n0, int64_t) {
+    float dots[kMaxXRows * kPackRows];
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxXRows) {  // the group's weights stay in L1
+      const int64_t mb = std::min(kMaxXRows, M - m0);
+      kernels[mb - 1](w + n0 * row_bytes, num_blocks, xs.data() + m0, dots);
+      for (int64_t m = 0; m < mb; ++m) {
+        for (int64_t r = 0; r < kPackRows; ++r) {
+          o[(m0 + m) * N + n0 + r] = static_cast<scalar_t>(dots[m * kPackRows + r]);
+        }
+      }
+    }
+  });
+}
+
+// The operands both layouts share: x, qweight's dtype and bytes per row.
+void check_operands(const char* op, const at::Tensor& x, const at::Tensor& qweight,
+                    int64_t quant_type) {
   const int64_t bytes = block_bytes(quant_type);
-  TORCH_CHECK(bytes != 0,
-              "gguf_linear_cpu: quant_type must be 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), got ",
+  TORCH_CHECK(bytes != 0, op, ": quant_type must be 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), got ",
               quant_type);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
               (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "gguf_linear_cpu: x must be a contiguous float32 or bfloat16 [M, K], got ",
+              op, ": x must be a contiguous float32 or bfloat16 [M, K], got ",
               x.scalar_type(), " ", x.sizes());
-  TORCH_CHECK(x.size(1) % kBlock == 0, "gguf_linear_cpu: x's K=", x.size(1),
-              " must be a multiple of ", kBlock);
+  TORCH_CHECK(x.size(1) % kBlock == 0, op, ": x's K=", x.size(1), " must be a multiple of ",
+              kBlock);
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == at::kByte,
-              "gguf_linear_cpu: qweight must be a contiguous uint8 [N, K / 32 * block_bytes], got ",
+              op, ": qweight must be a contiguous uint8 [N, K / 32 * block_bytes], got ",
               qweight.scalar_type(), " ", qweight.sizes());
-  TORCH_CHECK(qweight.size(1) == x.size(1) / kBlock * bytes, "gguf_linear_cpu: qweight has ",
+  TORCH_CHECK(qweight.size(1) == x.size(1) / kBlock * bytes, op, ": qweight has ",
               qweight.size(1), " bytes per row; K=", x.size(1), " needs ",
               x.size(1) / kBlock * bytes, " for quant_type ", quant_type);
+}
+
+at::Tensor gguf_linear_packed_cpu(const at::Tensor& x, const at::Tensor& packed,
+                                  int64_t quant_type) {
+  check_operands("gguf_linear_packed_cpu", x, packed, quant_type);
+  TORCH_CHECK(packed.size(0) % kPackRows == 0, "gguf_linear_packed_cpu: packed has ",
+              packed.size(0), " rows; it must be a multiple of ", kPackRows);
+  auto out = at::empty({x.size(0), packed.size(0)}, x.options());
+  if (x.size(0) == 0 || packed.size(0) == 0) return out;
+  if (x.size(1) == 0) return out.zero_();
+  if (x.scalar_type() == at::kBFloat16) {
+    gguf_linear_packed_kernel<at::BFloat16>(x, packed, quant_type, out);
+  } else {
+    gguf_linear_packed_kernel<float>(x, packed, quant_type, out);
+  }
+  return out;
+}
+
+at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, int64_t quant_type,
+                           bool use_vnni) {
+  check_operands("gguf_linear_cpu", x, qweight, quant_type);
   auto out = at::empty({x.size(0), qweight.size(0)}, x.options());
   if (x.size(0) == 0 || qweight.size(0) == 0) return out;
   if (x.size(1) == 0) return out.zero_();
@@ -444,9 +625,11 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, int64
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   // use_vnni=False forces the AVX2 path (tests).
   m.def("gguf_linear_cpu(Tensor x, Tensor qweight, int quant_type, bool use_vnni=True) -> Tensor");
+  m.def("gguf_linear_packed_cpu(Tensor x, Tensor packed, int quant_type) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
   m.impl("gguf_linear_cpu", &gguf_linear_cpu);
+  m.impl("gguf_linear_packed_cpu", &gguf_linear_packed_cpu);
 }
 #endif  // CPU_CAPABILITY_AVX512 || CPU_CAPABILITY_AVX2
