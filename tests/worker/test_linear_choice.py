@@ -39,7 +39,8 @@ def test_the_rival_is_what_onednn_runs_here() -> None:
     ({1: 50, 2: 60, 4: 70}, UNBOUNDED_ROWS),  # won at the largest count too
     ({1: 150, 2: 60}, 0),  # lost at one row: never ours
     ({1: 50, 2: 60, 4: 99, 8: 120, 16: 90}, 4),  # the first loss ends it; a later win counts not
-    ({1: 50, 2: 100}, 1),  # a tie is oneDNN's
+    ({1: 50, 2: 110, 4: 60}, UNBOUNDED_ROWS),  # within 10% is a tie, and a tie is ours
+    ({1: 50, 2: 111}, 1),  # more than 10% slower: a loss
     ({4: 50, 1: 50, 2: 200}, 1),  # counts are read in order, however given
 ])
 def test_choose_max_rows(ours_us: dict[int, float], expected: int) -> None:

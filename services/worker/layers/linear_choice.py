@@ -7,9 +7,10 @@ rather than assumes. For each weight shape, once: the fastest of a few calls of
 each kernel at 1, 2, 4, ..., 256 rows, the two called in turn on copies of the
 weight that together exceed the last-level cache, so that calls read their weight
 from memory as a decode step does. The choice (``choose_max_rows``): the largest row
-count up to which ours won at every count measured, 0 where it lost at one row,
-``UNBOUNDED_ROWS`` where it won at 256 too (both are compute-bound by then and
-scale alike with rows, so a prefill's thousands of rows go to the winner at 256).
+count up to which ours won or tied (within 10%) at every count measured, 0 where
+it lost at one row, ``UNBOUNDED_ROWS`` where it won at 256 too (both are
+compute-bound by then and scale alike with rows, so a prefill's thousands of rows
+go to the winner at 256).
 
 Measured on the benchmark machine (Xeon, Cascade Lake: AVX-512 and VNNI, no
 AVX512-BF16 or AMX; 2 threads): ours won at every row count for every shape of
@@ -53,6 +54,7 @@ OURS, ONEDNN, ONEDNN_PLAIN = "kvmesh", "oneDNN prepacked", "oneDNN plain"
 MAX_MEASURED_OUT_FEATURES = 2048
 MAX_COPIES = 64  # of a small weight (a tiny test model's), whatever the cache
 MAX_PACKED_COPIES = 8
+TIE = 1.1  # ours within 10% of theirs: a tie, ours (``_ours_lost``)
 _CACHE_VERSION = 1
 
 
@@ -78,7 +80,7 @@ class WeightCopies:
         gen = torch.Generator().manual_seed(0)
         weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).bfloat16()
         num_bytes = weight.numel() * weight.element_size()
-        num_copies = min(MAX_COPIES, max(1, round(_last_level_cache_bytes() / num_bytes)))
+        num_copies = min(MAX_COPIES, max(1, round(last_level_cache_bytes() / num_bytes)))
         plain = list(weight.expand(num_copies, out_features, in_features).contiguous())
         packed = ([torch.ops.mkldnn._reorder_linear_weight(w) for w in plain[:MAX_PACKED_COPIES]]
                   if can_pack(torch.bfloat16, weight.device) else [])
@@ -107,7 +109,7 @@ def rival() -> str:
     return ONEDNN if can_pack(torch.bfloat16, torch.device("cpu")) else ONEDNN_PLAIN
 
 
-def _last_level_cache_bytes() -> int:
+def last_level_cache_bytes() -> int:
     """The largest cache of CPU 0 (Linux's sysfs), 32 MiB where it cannot be read."""
     sizes = []
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
@@ -188,13 +190,18 @@ def measure_row_timings(out_features: int, in_features: int, num_rows: Iterable[
 
 
 def _ours_lost(timings: Mapping[str, float], ours: str = OURS, theirs: str = ONEDNN) -> bool:
-    return timings[ours] >= timings[theirs]
+    """Lost by more than a tie: within ``TIE`` of theirs counts as a win. A one-row
+    call is memory-bound either way, and which of two such calls is faster is the
+    machine's noise; but a loss there sends every count to theirs. On the AVX2-only
+    EPYC a tie at one row (184 against 169 us) did, for a weight on which ours
+    was 5x faster from 8 rows on."""
+    return timings[ours] > timings[theirs] * TIE
 
 
 def choose_max_rows(timings: Mapping[int, Mapping[str, float]], ours: str = OURS,
                     theirs: str = ONEDNN) -> int:
     """The largest row count up to which ``ours`` (by default kvmesh's kernel) was
-    faster than ``theirs`` (oneDNN's prepacked linear) at every count measured: 0
+    faster than ``theirs`` (oneDNN's prepacked linear), or tied, at every count measured: 0
     where it lost at the smallest, ``UNBOUNDED_ROWS`` where it won at every count,
     the largest included."""
     max_rows = 0
