@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer
 
 from kernels import gguf_quants
-from kernels.gguf_linear_cpu import gguf_linear_ref
+from kernels.gguf_linear_cpu import gguf_linear_ref, pack_rows
 from kernels.gguf_quants import GGMLQuantizationType
 from services.worker.layers import quantization
 from services.worker.layers.gguf_linear import GGUFLinear
@@ -26,30 +26,38 @@ from tests.worker.test_quantization import TEXT, perplexity
 MAX_PERPLEXITY_INCREASE = 0.01
 
 
-def _layer(quant_type: GGMLQuantizationType, bias_dtype: torch.dtype
+# Both layouts, whichever this machine measured faster (services/worker/layers/gguf_layout.py).
+LAYOUTS = pytest.mark.parametrize("packed", [False, True], ids=["file", "packed"])
+
+
+def _layer(quant_type: GGMLQuantizationType, bias_dtype: torch.dtype, packed: bool = False
            ) -> tuple[GGUFLinear, torch.Tensor]:
-    """A layer of 40 x 64 random weights, with a bias (in the model's dtype), and
-    its weight dequantized."""
+    """A layer of 40 x 64 random weights, with a bias (in the model's dtype), kept in
+    the file's layout or packed by eight rows, and its weight dequantized."""
     gen = torch.Generator().manual_seed(int(quant_type))
     qweight = gguf_quants.quantize(torch.randn(40, 64, generator=gen), quant_type)
-    layer = GGUFLinear(qweight, quant_type, 64, torch.randn(40, generator=gen).to(bias_dtype))
+    layer = GGUFLinear(pack_rows(qweight, quant_type) if packed else qweight, quant_type, 64,
+                       torch.randn(40, generator=gen).to(bias_dtype), packed=packed)
+    assert torch.equal(layer.file_rows(0, 40), qweight)
     return layer, gguf_quants.dequantize(qweight, quant_type, 64)
 
 
+@LAYOUTS
 @pytest.mark.parametrize("quant_type", list(GGMLQuantizationType))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_rows", [1, 5, DEFAULT_KERNEL_MAX_ROWS + 4])
 def test_layer_computes_its_blocks_product(quant_type: GGMLQuantizationType, dtype: torch.dtype,
-                                           num_rows: int) -> None:
+                                           num_rows: int, packed: bool) -> None:
     """Few rows: the block kernel's product (int8 activations); many rows: the
     GEMM on the dequantized weight; bias added either way, shape kept."""
-    layer, weight = _layer(quant_type, dtype)
+    layer, weight = _layer(quant_type, dtype, packed)
     x = torch.randn(2, num_rows, 64, generator=torch.Generator().manual_seed(7)).to(dtype)
     out = layer(x)
     assert out.shape == (2, num_rows, 40) and out.dtype == dtype
     rows = x.reshape(-1, 64)
     if num_rows <= DEFAULT_KERNEL_MAX_ROWS:
-        expected = gguf_linear_ref(rows, layer.qweight, quant_type).float() + layer.bias.float()
+        expected = (gguf_linear_ref(rows, layer.file_rows(0, 40), quant_type).float()
+                    + layer.bias.float())
     else:
         expected = F.linear(rows.float(), weight, layer.bias.float())
     # bfloat16 rounds the output (values up to ~30 here) to 8 mantissa bits.
@@ -57,14 +65,29 @@ def test_layer_computes_its_blocks_product(quant_type: GGMLQuantizationType, dty
     torch.testing.assert_close(out.reshape(-1, 40).float(), expected, atol=tolerance, rtol=0.01)
 
 
-def test_dequantized_gemm_in_chunks_of_output_channels(monkeypatch: pytest.MonkeyPatch) -> None:
-    layer, _ = _layer(GGMLQuantizationType.Q4_1, torch.float32)
+@LAYOUTS
+def test_dequantized_gemm_in_chunks_of_output_channels(monkeypatch: pytest.MonkeyPatch,
+                                                       packed: bool) -> None:
+    layer, _ = _layer(GGMLQuantizationType.Q4_1, torch.float32, packed)
     x = torch.randn(DEFAULT_KERNEL_MAX_ROWS + 1, 64, generator=torch.Generator().manual_seed(3))
     whole = layer(x)
-    monkeypatch.setattr(quantization, "_DEQUANTIZE_CHUNK_BYTES", 7 * 64 * 4)  # chunks of 7
+    # Chunks of 7: packed, each unpacks the groups of eight it straddles.
+    monkeypatch.setattr(quantization, "_DEQUANTIZE_CHUNK_BYTES", 7 * 64 * 4)
     # Equal up to float32 rounding: the GEMM's summation order may change with the
     # number of output channels (it does on an AVX2-only AMD EPYC).
     torch.testing.assert_close(layer(x), whole)
+
+
+@pytest.mark.parametrize("out_features", [16, 7])
+def test_a_packed_layer_narrows_to_its_first_rows(out_features: int) -> None:
+    """Whole groups of eight stay packed and share storage; a partial one is unpacked."""
+    layer, _ = _layer(GGMLQuantizationType.Q4_0, torch.float32, packed=True)
+    narrowed = layer.narrow(out_features)
+    assert narrowed.out_features == out_features and narrowed.bias is None
+    assert narrowed.packed == (out_features == 16)
+    assert (narrowed.qweight.data_ptr() == layer.qweight.data_ptr()) == (out_features == 16)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(narrowed.kernel_linear(x), layer.kernel_linear(x)[:, :out_features])
 
 
 def test_blocks_of_the_wrong_width_are_refused() -> None:

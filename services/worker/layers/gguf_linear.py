@@ -9,6 +9,10 @@ a chunk of output channels at a time and multiplied by torch's GEMM, the
 activations unquantized. Where one ends and the other begins
 (``QuantizedLinear.kernel_max_rows``) the worker measures per machine and
 model (``services/worker/layers/quantized_choice.py``).
+
+Where this machine's measurement says so (``gguf_layout``), the blocks are kept
+repacked by eight rows (``kernels.gguf_linear_cpu.pack_rows``: the same bytes,
+reordered for the packed kernel); dequantizing unpacks the rows it needs first.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from kernels import gguf_quants
-from kernels.gguf_linear_cpu import gguf_linear
+from kernels.gguf_linear_cpu import PACK_ROWS, gguf_linear, gguf_linear_packed, pack_rows, unpack_rows
+from services.worker.layers.gguf_layout import serves_packed
 from services.worker.layers.quantization import QuantizedLinear, linear_by_channel_chunks
 
 
@@ -39,11 +44,13 @@ class GGUFLinear(QuantizedLinear):
 
     ``qweight``: uint8 [out_features, in_features / 32 * block bytes] of
     ``quant_type``; ``x``: [..., in_features], float32 or bfloat16; the output
-    has ``x``'s dtype. Holds buffers, no parameters.
+    has ``x``'s dtype. Holds buffers, no parameters: ``qweight`` in the file's
+    layout, or in ``pack_rows``' where ``packed`` (by default where this machine's
+    ``gguf_layout`` says; ``packed=True`` says the ``qweight`` given is packed already).
     """
 
     def __init__(self, qweight: torch.Tensor, quant_type: int, in_features: int,
-                 bias: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, *, packed: bool | None = None) -> None:
         super().__init__()
         expected = gguf_quants.row_bytes(quant_type, in_features)
         if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.shape[1] != expected:
@@ -53,21 +60,40 @@ class GGUFLinear(QuantizedLinear):
                              f"{tuple(qweight.shape)}")
         self.quant_type = int(gguf_quants.GGMLQuantizationType(quant_type))
         self.in_features, self.out_features = in_features, qweight.shape[0]
+        self.packed = serves_packed(self.quant_type, self.out_features) if packed is None else packed
+        if self.packed and not packed:
+            qweight = pack_rows(qweight, self.quant_type)
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach())
 
     def kernel_linear(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return gguf_linear_packed(rows, self.qweight, self.quant_type)
         return gguf_linear(rows, self.qweight, self.quant_type)
+
+    def file_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of the weight in the file's layout (a view where not packed)."""
+        if not self.packed:
+            return self.qweight[start:stop]
+        first = start - start % PACK_ROWS  # whole groups of eight, unpacked
+        last = min(self.out_features, -(-stop // PACK_ROWS) * PACK_ROWS)
+        return unpack_rows(self.qweight[first:last], self.quant_type)[start - first:stop - first]
 
     def dequantized_linear(self, rows: torch.Tensor) -> torch.Tensor:
         return linear_by_channel_chunks(
             rows, self.out_features,
-            lambda start, stop: gguf_dequantize(self.qweight[start:stop], self.quant_type,
+            lambda start, stop: gguf_dequantize(self.file_rows(start, stop), self.quant_type,
                                                 self.in_features, rows.dtype))
 
     @property
     def weight_format(self) -> str:
-        return gguf_quants.GGMLQuantizationType(self.quant_type).name
+        name = gguf_quants.GGMLQuantizationType(self.quant_type).name
+        return f"{name} packed" if self.packed else name
 
     def narrow(self, out_features: int) -> GGUFLinear:
-        return GGUFLinear(self.qweight[:out_features], self.quant_type, self.in_features)
+        """Shares this layer's storage where it is in the file's layout or
+        ``out_features`` keeps whole groups of eight; else a copy."""
+        if self.packed and out_features % PACK_ROWS == 0:
+            return GGUFLinear(self.qweight[:out_features], self.quant_type, self.in_features,
+                              packed=True)
+        return GGUFLinear(self.file_rows(0, out_features), self.quant_type, self.in_features)

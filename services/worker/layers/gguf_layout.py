@@ -1,0 +1,102 @@
+"""Which layout a GGUF weight is kept in on this machine: measured once per block type.
+
+A GGUF layer's kernel reads either the file's own rows (``gguf_linear_cpu``: AVX512-VNNI
+where the CPU has it, else AVX2) or the same bytes repacked at load by eight rows
+(``gguf_linear_packed_cpu``, AVX2 on every CPU; ``kernels/gguf_linear_cpu.py``). On
+the AVX2-only EPYC (Zen 3, 2 threads) the packed kernel took 0.5-0.85x the time at
+one row and four; on a VNNI CPU the file's rows meet a 512-bit kernel instead, so
+the worker measures rather than assumes: per block type, the fastest call of each
+at one row (a decode step), on copies of a decode-sized weight that together
+exceed the last-level cache, as ``linear_choice`` measures.
+
+Cached beside ``linear_choice``'s tables (same keys: CPU, threads, torch, kernel
+sources), one file per block type; editing its ``packed`` overrides the choice.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kernels import gguf_quants
+from kernels.cpu_extension import has_cpu_kernel
+from kernels.gguf_linear_cpu import PACK_ROWS, pack_rows
+from services.worker.layers.linear_choice import cache_dir, fastest_call_s, last_level_cache_bytes
+
+logger = logging.getLogger(__name__)
+
+PLAIN, PACKED = "file's rows", "packed by eight"
+# SmolLM2-135M's gate/up shard: a weight of the size a decode step streams.
+MEASURED_SHAPE = (1536, 576)
+MAX_COPIES = 256
+
+
+def measure_layouts(quant_type: int, shape: tuple[int, int] = MEASURED_SHAPE) -> dict[str, float]:
+    """Seconds of each layout's fastest one-row call, each call on its next copy of
+    a random weight of ``shape`` in ``quant_type``'s blocks."""
+    gen = torch.Generator().manual_seed(0)
+    qweight = gguf_quants.quantize(torch.randn(*shape, generator=gen) * 0.05, quant_type)
+    # The two layouts' copies, called in turn, together twice the cache.
+    num_copies = min(MAX_COPIES, max(2, last_level_cache_bytes() // qweight.numel()))
+    plain = [qweight.clone() for _ in range(num_copies)]
+    packed = [pack_rows(w, quant_type) for w in plain]
+    x = torch.randn(1, shape[1], generator=gen)
+    calls = {PLAIN: lambda i: torch.ops.kvmesh.gguf_linear_cpu(x, plain[i % num_copies], quant_type),
+             PACKED: lambda i: torch.ops.kvmesh.gguf_linear_packed_cpu(
+                 x, packed[(i + num_copies // 2) % num_copies], quant_type)}
+    return fastest_call_s(calls, min_calls=num_copies // 2, max_calls=num_copies)
+
+
+def _load(path: Path) -> bool | None:
+    try:
+        packed = json.loads(path.read_text())["packed"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        logger.warning("event=gguf_layout_cache_unreadable path=%s error=%r", path, e)
+        return None
+    return packed if isinstance(packed, bool) else None
+
+
+def _store(path: Path, packed: bool, timings: dict[str, float]) -> None:
+    """As ``linear_choice.store_max_rows``: a temporary file renamed over ``path``;
+    where it cannot be written, logged, and measured again next time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+            json.dump({"packed": packed,
+                       "timings_us": {k: round(s * 1e6, 1) for k, s in timings.items()}}, f)
+        os.replace(f.name, path)
+    except OSError as e:
+        logger.warning("event=gguf_layout_cache_unwritable path=%s error=%r", path, e)
+
+
+@functools.cache
+def packed_layout_wins(quant_type: int) -> bool:
+    """Whether weights of ``quant_type`` are kept packed by eight rows on this machine
+    (cached per process and on disk; measured where neither knows)."""
+    if not (has_cpu_kernel("gguf_linear_packed_cpu") and has_cpu_kernel("gguf_linear_cpu")):
+        return False
+    name = gguf_quants.GGMLQuantizationType(quant_type).name
+    path = cache_dir("gguf_layout") / f"{name}.json"
+    packed = _load(path)
+    if packed is None:
+        with torch.no_grad():
+            timings = measure_layouts(int(quant_type))
+        packed = timings[PACKED] < timings[PLAIN]
+        _store(path, packed, timings)
+        logger.info("event=gguf_layout_measured quant_type=%s packed=%s plain_us=%.1f "
+                    "packed_us=%.1f path=%s", name, packed, timings[PLAIN] * 1e6,
+                    timings[PACKED] * 1e6, path)
+    return packed
+
+
+def serves_packed(quant_type: int, out_features: int) -> bool:
+    """Whether a weight of ``out_features`` rows in ``quant_type`` is kept packed."""
+    return out_features % PACK_ROWS == 0 and packed_layout_wins(quant_type)
