@@ -110,8 +110,13 @@ def compile_piece(fn: Callable[..., Any]) -> Callable[..., Any]:
     # their shapes are still guarded. That is safe only for the private copy:
     # fullgraph, so that dynamo raises rather than falling back to compiling the
     # modules' own forward methods, whose code every model in the process shares.
+    # Nor does inductor assert every input's size and strides on each call (~1,000
+    # asserts over a decode step's 30 layers took 2.8 ms of a 13 ms one-stream step
+    # on a Zen 3): dynamo's guards check the step's own tensors, and the modules'
+    # (the weights) are fixed once the model is loaded, as above.
     compiled = torch.compile(private_copy(fn), dynamic=True, fullgraph=True,
-                             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+                             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                                      "size_asserts": False})
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
