@@ -2,7 +2,8 @@
 
 For each weight shape and M rows of activations: microseconds per call and GB/s of
 weight read (the weight's bytes / time) for kvmesh's GGUF kernel (Q4_0, Q4_1, Q8_0;
-its AVX512-VNNI path where the CPU has one, and its AVX2 path), torch's ``F.linear``
+its AVX512-VNNI path where the CPU has one, its AVX2 path, and its AVX2 kernel on
+rows packed by eight), torch's ``F.linear``
 in bfloat16 and float32 (oneDNN), kvmesh's weight-only int8 kernel and its w8a8
 kernel (int8 weights, activations quantized per token; VNNI and AVX2 paths). The table
 is what a dispatch choice (rows x instruction set -> kernel) reads.
@@ -20,8 +21,10 @@ prepacked linear and oneDNN on the plain weight (what ``Bf16Linear`` runs above
 its threshold) at 1 to 256 rows, measured as the worker measures them at start
 (``services/worker/layers/linear_choice.py``: fastest call, weights from memory,
 tall weights on 2,048 of their rows), the kernel chosen per row count and the
-threshold (``max_rows``). Then, for the default model quantized each way (int8,
-w8a8, gguf) in float32, the whole model's step of linear layers at 1 to 512
+threshold (``max_rows``). Then the layout the worker keeps GGUF weights in, per
+block type (``services/worker/layers/gguf_layout.py``: the file's rows or packed by
+eight, whichever was faster at one row). Then, for the default model quantized each
+way (int8, w8a8, gguf) in float32, the whole model's step of linear layers at 1 to 512
 rows through the layers' kernels and through dequantize-then-GEMM, and the row
 count the worker would choose (``services/worker/layers/quantized_choice.py``).
 ``--choice-only`` prints just those.
@@ -42,9 +45,10 @@ import torch.nn.functional as F
 
 from kernels import gguf_quants
 from kernels.cpu_extension import has_cpu_kernel
+from kernels.gguf_linear_cpu import PACK_ROWS, pack_rows
 from kernels.gguf_quants import GGMLQuantizationType
 from kernels.int8_dynamic_linear_cpu import weight_sums
-from services.worker.layers import linear_choice, quantized_choice
+from services.worker.layers import gguf_layout, linear_choice, quantized_choice
 from services.worker.layers.bf16_linear import UNBOUNDED_ROWS
 from services.worker.model_loader import load_model
 
@@ -107,6 +111,11 @@ def candidates(out_features: int, in_features: int) -> dict[str, tuple[list, Cal
                 kernels[f"{quant_type.name} {path}"] = (
                     qweight, lambda x, w, t=int(quant_type), v=use_vnni:
                     torch.ops.kvmesh.gguf_linear_cpu(x, w[0], t, v))
+            if has_cpu_kernel("gguf_linear_packed_cpu") and out_features % PACK_ROWS == 0:
+                kernels[f"{quant_type.name} packed"] = (
+                    [(pack_rows(w, quant_type),) for (w,) in qweight],
+                    lambda x, w, t=int(quant_type):
+                    torch.ops.kvmesh.gguf_linear_packed_cpu(x, w[0], t))
     kernels["bf16 F.linear"] = (copies(weight.bfloat16()),
                                 lambda x, w: F.linear(x.bfloat16(), w[0]))
     kernels["f32 F.linear"] = (copies(weight), lambda x, w: F.linear(x, w[0]))
@@ -152,6 +161,20 @@ def print_bf16_choice() -> None:
                   + f"{chosen:>18}", flush=True)
 
 
+def print_gguf_layout() -> None:
+    """Per GGUF block type: the one-row call on the file's rows and on the rows
+    packed by eight, as the worker measures them at load, and the layout it keeps."""
+    print(f"\nGGUF layout, {torch.get_num_threads()} threads: us per one-row call on "
+          f"{gguf_layout.MEASURED_SHAPE[0]} x {gguf_layout.MEASURED_SHAPE[1]} (fastest, "
+          f"weights from memory)")
+    print(f"{'type':>5} {gguf_layout.PLAIN:>14} {gguf_layout.PACKED:>16} {'kept':>16}")
+    for quant_type in GGMLQuantizationType:
+        timings = gguf_layout.measure_layouts(int(quant_type))
+        kept = min(timings, key=timings.get)
+        print(f"{quant_type.name:>5} {timings[gguf_layout.PLAIN] * 1e6:14.1f} "
+              f"{timings[gguf_layout.PACKED] * 1e6:16.1f} {kept:>16}", flush=True)
+
+
 def print_quantized_choice() -> None:
     """Per quantized mode of the default model: ms per step of its linear layers
     each way at each row count, and the row count the worker would choose."""
@@ -183,6 +206,8 @@ def main() -> None:
     print(cpu_line())
     if has_cpu_kernel("bf16_linear_cpu"):
         print_bf16_choice()
+    if has_cpu_kernel("gguf_linear_packed_cpu"):
+        print_gguf_layout()
     print_quantized_choice()
     if args.choice_only:
         return

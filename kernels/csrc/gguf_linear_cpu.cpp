@@ -538,11 +538,12 @@ void gguf_linear_packed_kernel(const at::Tensor& x, const at::Tensor& packed, in
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   const int64_t num_blocks = K / kBlock, row_bytes = packed.size(1);
   const at::Tensor x_float = x.to(at::kFloat).contiguous();
-  at::Tensor q = at::empty({M * K}, x.options().dtype(at::kChar));
-  at::Tensor d = at::empty({M * num_blocks}, x.options().dtype(at::kFloat));
-  at::Tensor aux = at::empty({M * num_blocks}, x.options().dtype(at::kInt));
-  quantize_rows_packed(x_float.data_ptr<float>(), M, K, quant_type, q.data_ptr<int8_t>(),
-                       d.data_ptr<float>(), aux.data_ptr<int32_t>());
+  // One allocation (a one-row call is ~30 us): q_x [M, K], then d_x and aux [M, K / 32].
+  at::Tensor scratch = at::empty({M * K + 8 * M * num_blocks}, x.options().dtype(at::kByte));
+  int8_t* q = reinterpret_cast<int8_t*>(scratch.data_ptr<uint8_t>());
+  float* d = reinterpret_cast<float*>(q + M * K);  // K is a multiple of 32: aligned
+  int32_t* aux = reinterpret_cast<int32_t*>(d + M * num_blocks);
+  quantize_rows_packed(x_float.data_ptr<float>(), M, K, quant_type, q, d, aux);
   DotPacked kernels[kMaxXRows];
   for (int64_t mb = 1; mb <= kMaxXRows; ++mb) {
     kernels[mb - 1] = quant_type == kQ4_0 ? dot_packed_for<kQ4_0>(mb)
@@ -552,8 +553,7 @@ void gguf_linear_packed_kernel(const at::Tensor& x, const at::Tensor& packed, in
   scalar_t* o = out.data_ptr<scalar_t>();
   std::vector<PackedX> xs(M);
   for (int64_t m = 0; m < M; ++m) {
-    xs[m] = {q.data_ptr<int8_t>() + m * K, d.data_ptr<float>() + m * num_blocks,
-             aux.data_ptr<int32_t>() + m * num_blocks};
+    xs[m] = {q + m * K, d + m * num_blocks, aux + m * num_blocks};
   }
   kvmesh::for_each_row_group<kPackRows>(N, w, row_bytes, [&](int64_t n0, int64_t) {
     float dots[kMaxXRows * kPackRows];

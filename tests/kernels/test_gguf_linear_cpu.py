@@ -185,7 +185,8 @@ def test_packing_reorders_the_bytes_and_unpacking_restores_them(
     qweight = _weight(quant_type, 16, 64)
     packed = pack_rows(qweight, quant_type)
     assert packed.shape == qweight.shape and torch.equal(unpack_rows(packed, quant_type), qweight)
-    block, scales = gguf_quants.BLOCK_BYTES[quant_type], 4 if quant_type == GGMLQuantizationType.Q4_1 else 2
+    block = gguf_quants.BLOCK_BYTES[quant_type]
+    scales = 4 if quant_type == GGMLQuantizationType.Q4_1 else 2
     group1_block1 = packed[8:16].reshape(-1)[8 * block:16 * block]  # rows 8-15, block 1
     assert torch.equal(group1_block1[2:4], qweight[9, block:block + 2])  # row 9's d
     chunk = group1_block1[8 * scales + 4 * 8 * 2:][4 * 3:4 * 4]  # chunk 2 of row 11

@@ -47,7 +47,8 @@ def measure_layouts(quant_type: int, shape: tuple[int, int] = MEASURED_SHAPE) ->
     plain = [qweight.clone() for _ in range(num_copies)]
     packed = [pack_rows(w, quant_type) for w in plain]
     x = torch.randn(1, shape[1], generator=gen)
-    calls = {PLAIN: lambda i: torch.ops.kvmesh.gguf_linear_cpu(x, plain[i % num_copies], quant_type),
+    calls = {PLAIN: lambda i: torch.ops.kvmesh.gguf_linear_cpu(
+                 x, plain[i % num_copies], quant_type),
              PACKED: lambda i: torch.ops.kvmesh.gguf_linear_packed_cpu(
                  x, packed[(i + num_copies // 2) % num_copies], quant_type)}
     return fastest_call_s(calls, min_calls=num_copies // 2, max_calls=num_copies)

@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from kernels import gguf_quants
-from kernels.gguf_linear_cpu import PACK_ROWS, gguf_linear, gguf_linear_packed, pack_rows, unpack_rows
+from kernels.gguf_linear_cpu import (PACK_ROWS, gguf_linear, gguf_linear_packed, pack_rows,
+                                     unpack_rows)
 from services.worker.layers.gguf_layout import serves_packed
 from services.worker.layers.quantization import QuantizedLinear, linear_by_channel_chunks
 
@@ -60,9 +61,12 @@ class GGUFLinear(QuantizedLinear):
                              f"{tuple(qweight.shape)}")
         self.quant_type = int(gguf_quants.GGMLQuantizationType(quant_type))
         self.in_features, self.out_features = in_features, qweight.shape[0]
-        self.packed = serves_packed(self.quant_type, self.out_features) if packed is None else packed
-        if self.packed and not packed:
-            qweight = pack_rows(qweight, self.quant_type)
+        if packed is None:  # the file's rows, to be packed where this machine says
+            self.packed = serves_packed(self.quant_type, self.out_features)
+            if self.packed:
+                qweight = pack_rows(qweight, self.quant_type)
+        else:
+            self.packed = packed
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach())
 
