@@ -3,7 +3,7 @@
 For each weight shape and M rows of activations: microseconds per call and GB/s of
 weight read (the weight's bytes / time) for kvmesh's GGUF kernel (Q4_0, Q4_1, Q8_0;
 its AVX512-VNNI path where the CPU has one, its AVX2 path, and its AVX2 kernel on
-rows packed by eight), torch's ``F.linear``
+rows packed by eight), kvmesh's bfloat16 kernel, torch's ``F.linear``
 in bfloat16 and float32 (oneDNN), kvmesh's weight-only int8 kernel and its w8a8
 kernel (int8 weights, activations quantized per token; VNNI and AVX2 paths). The table
 is what a dispatch choice (rows x instruction set -> kernel) reads.
@@ -116,6 +116,9 @@ def candidates(out_features: int, in_features: int) -> dict[str, tuple[list, Cal
                     [(pack_rows(w, quant_type),) for (w,) in qweight],
                     lambda x, w, t=int(quant_type):
                     torch.ops.kvmesh.gguf_linear_packed_cpu(x, w[0], t))
+    if has_cpu_kernel("bf16_linear_cpu"):
+        kernels["bf16 kvmesh"] = (copies(weight.bfloat16()),
+                                  lambda x, w: torch.ops.kvmesh.bf16_linear_cpu(x.bfloat16(), w[0]))
     kernels["bf16 F.linear"] = (copies(weight.bfloat16()),
                                 lambda x, w: F.linear(x.bfloat16(), w[0]))
     kernels["f32 F.linear"] = (copies(weight), lambda x, w: F.linear(x, w[0]))
