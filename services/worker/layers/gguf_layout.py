@@ -16,18 +16,16 @@ sources), one file per block type; editing its ``packed`` overrides the choice.
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import os
-import tempfile
-from pathlib import Path
 
 import torch
 
 from kernels import gguf_quants
 from kernels.cpu_extension import has_cpu_kernel
 from kernels.gguf_linear_cpu import PACK_ROWS, pack_rows
-from services.worker.layers.linear_choice import cache_dir, fastest_call_s, last_level_cache_bytes
+from services.worker.layers.linear_choice import (cache_dir, fastest_call_s,
+                                                  last_level_cache_bytes, load_choice,
+                                                  store_choice)
 
 logger = logging.getLogger(__name__)
 
@@ -54,30 +52,6 @@ def measure_layouts(quant_type: int, shape: tuple[int, int] = MEASURED_SHAPE) ->
     return fastest_call_s(calls, min_calls=num_copies // 2, max_calls=num_copies)
 
 
-def _load(path: Path) -> bool | None:
-    try:
-        packed = json.loads(path.read_text())["packed"]
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        logger.warning("event=gguf_layout_cache_unreadable path=%s error=%r", path, e)
-        return None
-    return packed if isinstance(packed, bool) else None
-
-
-def _store(path: Path, packed: bool, timings: dict[str, float]) -> None:
-    """As ``linear_choice.store_max_rows``: a temporary file renamed over ``path``;
-    where it cannot be written, logged, and measured again next time."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-            json.dump({"packed": packed,
-                       "timings_us": {k: round(s * 1e6, 1) for k, s in timings.items()}}, f)
-        os.replace(f.name, path)
-    except OSError as e:
-        logger.warning("event=gguf_layout_cache_unwritable path=%s error=%r", path, e)
-
-
 @functools.cache
 def packed_layout_wins(quant_type: int) -> bool:
     """Whether weights of ``quant_type`` are kept packed by eight rows on this machine
@@ -86,12 +60,13 @@ def packed_layout_wins(quant_type: int) -> bool:
         return False
     name = gguf_quants.GGMLQuantizationType(quant_type).name
     path = cache_dir("gguf_layout") / f"{name}.json"
-    packed = _load(path)
+    packed = load_choice(path, "packed", lambda v: isinstance(v, bool))
     if packed is None:
         with torch.no_grad():
             timings = measure_layouts(int(quant_type))
         packed = timings[PACKED] < timings[PLAIN]
-        _store(path, packed, timings)
+        store_choice(path, {"packed": packed,
+                            "timings_us": {k: round(s * 1e6, 1) for k, s in timings.items()}})
         logger.info("event=gguf_layout_measured quant_type=%s packed=%s plain_us=%.1f "
                     "packed_us=%.1f path=%s", name, packed, timings[PLAIN] * 1e6,
                     timings[PACKED] * 1e6, path)

@@ -34,6 +34,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -235,36 +236,46 @@ def _cache_file(directory: Path, shape: tuple[int, int]) -> Path:
     return directory / f"{shape[0]}x{shape[1]}.json"
 
 
-def load_max_rows(path: Path) -> int | None:
-    """The ``max_rows`` stored in ``path``; None where the file is missing,
-    unreadable or holds no such number (then the shape is measured anew)."""
+def load_choice(path: Path, key: str, valid: Callable[[object], bool]) -> Any:
+    """The ``key`` stored in ``path`` where ``valid``; None where the file is missing,
+    unreadable or holds no valid such value (then the choice is measured anew)."""
     try:
-        max_rows = json.loads(path.read_text())["max_rows"]
+        value = json.loads(path.read_text())[key]
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as e:
         logger.warning("event=linear_choice_cache_unreadable path=%s error=%r", path, e)
         return None
-    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0:
-        logger.warning("event=linear_choice_cache_unreadable path=%s max_rows=%r", path, max_rows)
+    if not valid(value):
+        logger.warning("event=linear_choice_cache_unreadable path=%s %s=%r", path, key, value)
         return None
-    return max_rows
+    return value
 
 
-def store_max_rows(path: Path, max_rows: int, timings: Mapping[int, Mapping[str, float]]) -> None:
-    """Writes ``max_rows`` (and, for whoever reads the file, the timings it came
-    from, in us) to a temporary file renamed over ``path``: a concurrent reader
-    sees the old file or the new one. Where it cannot be written (a read-only
-    cache), logs why: the worker still starts, and measures again next time."""
-    timings_us = {rows: {name: round(s * 1e6, 1) for name, s in by_kernel.items()}
-                  for rows, by_kernel in timings.items()}
+def store_choice(path: Path, record: Mapping[str, object]) -> None:
+    """Writes ``record`` (a choice and, for whoever reads the file, the timings it
+    came from) to a temporary file renamed over ``path``: a concurrent reader sees
+    the old file or the new one. Where it cannot be written (a read-only cache),
+    logs why: the worker still starts, and measures again next time."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-            json.dump({"max_rows": max_rows, "timings_us": timings_us}, f, indent=1)
+            json.dump(record, f, indent=1)
         os.replace(f.name, path)
     except OSError as e:
         logger.warning("event=linear_choice_cache_unwritable path=%s error=%r", path, e)
+
+
+def load_max_rows(path: Path) -> int | None:
+    """The ``max_rows`` stored in ``path`` (``load_choice``): a count of rows."""
+    return load_choice(path, "max_rows", lambda v: type(v) is int and v >= 0)
+
+
+def store_max_rows(path: Path, max_rows: int, timings: Mapping[int, Mapping[str, float]]) -> None:
+    """``store_choice`` of ``max_rows`` and its timings, in us."""
+    timings_us = {rows: {name: round(s * 1e6, 1) for name, s in by_kernel.items()}
+                  for rows, by_kernel in timings.items()}
+    store_choice(path, {"max_rows": max_rows, "timings_us": timings_us})
 
 
 def bf16_max_rows_by_shape(weights: Iterable[torch.Tensor]) -> dict[tuple[int, int], int]:
