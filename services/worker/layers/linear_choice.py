@@ -34,8 +34,8 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -202,9 +202,9 @@ def _ours_lost(timings: Mapping[str, float], ours: str = OURS, theirs: str = ONE
 def choose_max_rows(timings: Mapping[int, Mapping[str, float]], ours: str = OURS,
                     theirs: str = ONEDNN) -> int:
     """The largest row count up to which ``ours`` (by default kvmesh's kernel) was
-    faster than ``theirs`` (oneDNN's prepacked linear), or tied, at every count measured: 0
-    where it lost at the smallest, ``UNBOUNDED_ROWS`` where it won at every count,
-    the largest included."""
+    faster than ``theirs`` (oneDNN's prepacked linear), or tied, at every count
+    measured: 0 where it lost at the smallest, ``UNBOUNDED_ROWS`` where it won at
+    every count, the largest included."""
     max_rows = 0
     for rows in sorted(timings):
         if _ours_lost(timings[rows], ours, theirs):
