@@ -33,7 +33,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <vector>
 
 #define KVMESH_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define KVMESH_VNNI \
@@ -551,15 +550,16 @@ void gguf_linear_packed_kernel(const at::Tensor& x, const at::Tensor& packed, in
   }
   const uint8_t* w = packed.data_ptr<uint8_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
-  std::vector<PackedX> xs(M);
-  for (int64_t m = 0; m < M; ++m) {
-    xs[m] = {q + m * K, d + m * num_blocks, aux + m * num_blocks};
-  }
   kvmesh::for_each_row_group<kPackRows>(N, w, row_bytes, [&](int64_t n0, int64_t) {
     float dots[kMaxXRows * kPackRows];
+    PackedX xs[kMaxXRows];
     for (int64_t m0 = 0; m0 < M; m0 += kMaxXRows) {  // the group's weights stay in L1
       const int64_t mb = std::min(kMaxXRows, M - m0);
-      kernels[mb - 1](w + n0 * row_bytes, num_blocks, xs.data() + m0, dots);
+      for (int64_t m = 0; m < mb; ++m) {
+        const int64_t row = m0 + m;
+        xs[m] = {q + row * K, d + row * num_blocks, aux + row * num_blocks};
+      }
+      kernels[mb - 1](w + n0 * row_bytes, num_blocks, xs, dots);
       for (int64_t m = 0; m < mb; ++m) {
         for (int64_t r = 0; r < kPackRows; ++r) {
           o[(m0 + m) * N + n0 + r] = static_cast<scalar_t>(dots[m * kPackRows + r]);

@@ -43,7 +43,8 @@ def measure_layouts(quant_type: int, shape: tuple[int, int] = MEASURED_SHAPE) ->
     # The two layouts' copies, called in turn, together twice the cache.
     num_copies = min(MAX_COPIES, max(2, last_level_cache_bytes() // qweight.numel()))
     plain = [qweight.clone() for _ in range(num_copies)]
-    packed = [pack_rows(w, quant_type) for w in plain]
+    packed_once = pack_rows(qweight, quant_type)
+    packed = [packed_once.clone() for _ in range(num_copies)]
     x = torch.randn(1, shape[1], generator=gen)
     calls = {PLAIN: lambda i: torch.ops.kvmesh.gguf_linear_cpu(
                  x, plain[i % num_copies], quant_type),
