@@ -26,6 +26,7 @@ from concurrent.futures import Future, InvalidStateError
 
 from services.common.model_runner_output import ModelRunnerOutput
 from services.common.scheduler_output import SchedulerOutput
+from services.worker.step_events import StepEvent
 from services.worker.worker import Worker, WorkerStep
 
 # Queue markers: the in-flight step is done on the device; close() was called.
@@ -48,7 +49,10 @@ class StepPipeline:
     def __init__(self, worker: Worker, on_step_done: OnStepDone | None = None) -> None:
         self._worker = worker
         self._on_step_done = on_step_done
-        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        # Not a SimpleQueue: on CPython 3.11 its get(timeout=t) can wait until the
+        # next put when t is a few microseconds (a simulated step's end), and
+        # with synchronous scheduling no put comes until this step is answered.
+        self._queue: queue.Queue[object] = queue.Queue()
         self._fatal: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvmesh-step-pipeline", daemon=True)
         self._thread.start()
@@ -72,7 +76,7 @@ class StepPipeline:
     def _run(self) -> None:
         in_flight: tuple[WorkerStep, Future[ModelRunnerOutput], float] | None = None
         while True:
-            item = self._next(in_flight[0] if in_flight is not None else None)
+            item = next_submitted(self._queue, in_flight[0].done if in_flight is not None else None)
             if item is _DEVICE_DONE or item is _CLOSE:
                 if in_flight is not None:
                     self._complete(*in_flight)
@@ -99,18 +103,6 @@ class StepPipeline:
                     continue
             in_flight = (self._worker.launch_step(step), future, time.perf_counter())
 
-    def _next(self, in_flight: WorkerStep | None) -> object:
-        """The next submitted step, or _DEVICE_DONE if the in-flight step ends first."""
-        if in_flight is None:
-            return self._queue.get()
-        done = in_flight.done
-        while not done.query():
-            try:
-                return self._queue.get(timeout=done.poll_interval_s())
-            except queue.Empty:
-                pass
-        return _DEVICE_DONE
-
     def _complete(self, step: WorkerStep, future: Future[ModelRunnerOutput], start: float) -> None:
         try:
             output = self._worker.finish_step(step)
@@ -123,6 +115,19 @@ class StepPipeline:
         # A future its caller cancelled still had its step run, in order.
         with contextlib.suppress(InvalidStateError):
             future.set_result(output)
+
+
+def next_submitted(submitted: queue.Queue[object], in_flight: StepEvent | None) -> object:
+    """The next submitted item; with a step in flight, _DEVICE_DONE instead if that
+    step's device work ends first."""
+    if in_flight is None:
+        return submitted.get()
+    while not in_flight.query():
+        try:
+            return submitted.get(timeout=in_flight.poll_interval_s())
+        except queue.Empty:
+            pass
+    return _DEVICE_DONE
 
 
 def _fail(future: Future[ModelRunnerOutput], error: BaseException) -> None:

@@ -8,6 +8,10 @@ steps end on a deadline like a GPU's.
 
 from __future__ import annotations
 
+import queue
+import random
+import threading
+import time
 from concurrent.futures import Future
 
 import pytest
@@ -19,7 +23,8 @@ from services.common.sampling_params import SamplingParams
 from services.common.scheduler_output import NewRequestData, SchedulerOutput
 from services.scheduler.scheduler import Scheduler
 from services.worker.config import LatencyModel, WorkerConfig
-from services.worker.step_pipeline import StepPipeline
+from services.worker.step_events import DeadlineEvent
+from services.worker.step_pipeline import StepPipeline, next_submitted
 from services.worker.worker import MAX_CONSECUTIVE_FAILED_STEPS, Worker, WorkerStep
 from tests.worker.helpers import (
     RunResult,
@@ -163,3 +168,31 @@ def test_a_worker_that_gives_up_fails_every_later_step(tiny_model_dir):
         with pytest.raises(ValueError, match="max_num_batched_tokens"):
             future.result()
     assert done_steps == list(range(1, MAX_CONSECUTIVE_FAILED_STEPS))
+
+
+def test_a_step_ending_microseconds_after_the_wait_begins_ends_the_wait():
+    """A simulated step ends microseconds after its launch. Waiting for the next
+    submission must end with it: with synchronous scheduling nothing else is
+    submitted until that step is answered. (CPython 3.11's SimpleQueue could
+    miss such a deadline and wait for the next put: about 1 wait in 1,000.)"""
+    submitted: queue.Queue[object] = queue.Queue()
+    rescue = object()  # what the watchdog submits to a wait that missed its step's end
+    num_waits = 0
+    finished = threading.Event()
+
+    def watchdog() -> None:
+        seen = -1
+        while not finished.wait(2.0):
+            if num_waits == seen:
+                submitted.put(rescue)
+            seen = num_waits
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    try:
+        for num_waits in range(20_000):
+            submitted.put(None)
+            submitted.get()  # the state between two steps: just emptied
+            done = DeadlineEvent(time.perf_counter() + random.uniform(0.0, 2e-6))
+            assert next_submitted(submitted, done) is not rescue and done.query()
+    finally:
+        finished.set()
