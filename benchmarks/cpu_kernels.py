@@ -12,13 +12,15 @@ Decode streams the weights from memory (the model's blocks are bigger than the
 last-level cache), so every call reads a different copy of the weight, cycling
 through copies that together exceed the L3 cache; every call is timed over a few
 passes and the median call is quoted (the machine is shared). The first line is the
-machine's read bandwidth: ``Tensor.sum()`` over 256 MiB of float32 with the same
-threads, median of its repeats.
+machine's read bandwidth: ``Tensor.sum()`` over float32 twice the L3's size (at least
+256 MiB) with the same threads, median of its repeats. Both sizes follow the L3
+(``linear_choice.last_level_cache_bytes``): 36 MiB on one Xeon, 300 MiB on another.
 
 Then the bfloat16 choice table (issue 24): for each bfloat16 weight shape the
 worker runs (q/k/v and gate/up fused), the time of kvmesh's kernel, oneDNN's
-prepacked linear and oneDNN on the plain weight (what ``Bf16Linear`` runs above
-its threshold) at 1 to 256 rows, measured as the worker measures them at start
+prepacked linear (what ``Bf16Linear`` runs above its threshold) and oneDNN on the
+plain weight (what it runs there where oneDNN has no native bfloat16) at 1 to 256
+rows, measured as the worker measures them at start
 (``services/worker/layers/linear_choice.py``: fastest call, weights from memory,
 tall weights on 2,048 of their rows), the kernel chosen per row count and the
 threshold (``max_rows``). Then the layout the worker keeps GGUF weights in, per
@@ -56,7 +58,9 @@ from services.worker.model_loader import load_model
 SHAPES = {"q_proj/o_proj": (576, 576), "k_proj/v_proj": (192, 576),
           "gate/up_proj": (1536, 576), "down_proj": (576, 1536), "lm_head": (49152, 576)}
 NUM_ROWS = (1, 2, 4, 8, 16, 32)
-COPIES_BYTES = 96 << 20  # > 2x this machine's L3 (35.8 MiB): each call reads from memory
+# Each call's weight copy was last read twice the L3's size ago: it comes from memory.
+COPIES_BYTES = max(96 << 20, 2 * linear_choice.last_level_cache_bytes())
+BANDWIDTH_BYTES = max(256 << 20, COPIES_BYTES)  # what the read bandwidth is measured over
 # The bfloat16 weights as the worker holds them: q/k/v and gate/up fused.
 WORKER_SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576),
                  "down_proj": (576, 1536), "lm_head": (49152, 576)}
@@ -89,7 +93,7 @@ def median_call_s(call: Callable[[int], object], num_copies: int, repeats: int) 
 
 
 def read_bandwidth_gb_s(repeats: int) -> float:
-    data = torch.ones(64 << 20)
+    data = torch.ones(BANDWIDTH_BYTES // 4)
     return data.numel() * 4 / median_call_s(lambda i: data.sum(), 1, repeats) / 1e9
 
 
@@ -155,11 +159,10 @@ def print_bf16_choice() -> None:
         print(f"\n{name} [{out_features} x {in_features}] (measured on {measured} rows): "
               f"max_rows {rows_text}")
         print(f"{'M':>4} " + "".join(f"{k:>18}" for k in kernels) + f"{'chosen':>18}")
-        # Above max_rows a Bf16Linear runs oneDNN on its plain weight; with no
-        # rows of ours the layer stays a PackedLinear (prepacked) where it can.
-        above = linear_choice.ONEDNN_PLAIN if max_rows > 0 else theirs
+        # Above max_rows oneDNN runs on a prepacked weight where it can (a
+        # Bf16Linear's packed copy, or a PackedLinear), else on the plain one.
         for rows, by_kernel in timings.items():
-            chosen = linear_choice.OURS if rows <= max_rows else above
+            chosen = linear_choice.OURS if rows <= max_rows else theirs
             print(f"{rows:>4} " + "".join(f"{by_kernel[k] * 1e6:18.1f}" for k in kernels)
                   + f"{chosen:>18}", flush=True)
 
@@ -214,8 +217,9 @@ def main() -> None:
     print_quantized_choice()
     if args.choice_only:
         return
-    print(f"threads {args.threads}; read bandwidth (Tensor.sum over 256 MiB float32): "
-          f"{read_bandwidth_gb_s(args.repeats):.1f} GB/s; x float32 (bfloat16 for bf16 F.linear)")
+    print(f"threads {args.threads}; read bandwidth (Tensor.sum over {BANDWIDTH_BYTES >> 20} "
+          f"MiB float32): {read_bandwidth_gb_s(args.repeats):.1f} GB/s; "
+          "x float32 (bfloat16 for bf16 F.linear)")
     for name, (out_features, in_features) in SHAPES.items():
         kernels = candidates(out_features, in_features)
         print(f"\n{name} [{out_features} x {in_features}]: us per call (GB/s of weight read)")
