@@ -30,6 +30,8 @@
 // Built at run time by kernels/cpu_extension.py with the C++ compiler inductor uses.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/library.h>
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -306,16 +308,34 @@ at::Tensor bf16_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
+// oneDNN's linear on a weight mkldnn::_reorder_linear_weight laid out (as a
+// PackedLinear runs it), called through the dispatcher: ATen declares no C++
+// function for it.
+at::Tensor onednn_packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
+                                const std::optional<at::Tensor>& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed_weight, bias, std::string("none"),
+                          c10::List<std::optional<at::Scalar>>(), c10::IValue()};
+  op.callBoxed(stack);
+  return stack[0].toTensor();
+}
+
 // A layer's op (services/worker/layers/bf16_linear.py): this kernel for up to
-// max_rows rows of x, where the worker measured it faster than oneDNN, and
-// at::linear (oneDNN, on the same plain weight) above. Choosing here rather than
-// in Python keeps the choice out of compiled graphs: they call this one op for
-// every batch size. A bias is added to this kernel's rounded output (one rounding
-// more than at::linear's, for bfloat16 x).
+// max_rows rows of x, where the worker measured it faster than oneDNN, and oneDNN
+// above: on packed_weight (the same weight reordered for oneDNN) where the layer
+// holds one, else at::linear on the plain weight. Choosing here rather than in
+// Python keeps the choice out of compiled graphs: they call this one op for every
+// batch size. A bias is added to this kernel's rounded output (one rounding more
+// than oneDNN's, for bfloat16 x).
 at::Tensor bf16_linear_dispatch(const at::Tensor& x, const at::Tensor& weight,
-                                const std::optional<at::Tensor>& bias, int64_t max_rows) {
+                                const std::optional<at::Tensor>& bias, int64_t max_rows,
+                                const std::optional<at::Tensor>& packed_weight) {
   TORCH_CHECK(x.dim() == 2, "x must be [M, K], got ", x.sizes());
-  if (x.size(0) > max_rows) return at::linear(x, weight, bias);
+  if (x.size(0) > max_rows) {
+    return packed_weight.has_value() ? onednn_packed_linear(x, *packed_weight, bias)
+                                     : at::linear(x, weight, bias);
+  }
   at::Tensor out = bf16_linear_cpu(x, weight, "auto");
   if (bias.has_value()) out.add_(*bias);
   return out;
@@ -328,7 +348,8 @@ at::Tensor bf16_linear_meta(const at::Tensor& x, const at::Tensor& weight, c10::
 
 // Symbolic sizes: traced with dynamic shapes, x's rows are a symbol.
 at::Tensor bf16_linear_dispatch_meta(const at::Tensor& x, const at::Tensor& weight,
-                                     const std::optional<at::Tensor>&, int64_t) {
+                                     const std::optional<at::Tensor>&, int64_t,
+                                     const std::optional<at::Tensor>&) {
   return at::empty_symint({x.sym_size(0), weight.sym_size(0)}, x.options());
 }
 
@@ -336,11 +357,17 @@ at::Tensor bf16_linear_dispatch_meta(const at::Tensor& x, const at::Tensor& weig
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   m.def("bf16_linear_cpu(Tensor x, Tensor weight, str path=\"auto\") -> Tensor");
-  m.def("bf16_linear_dispatch(Tensor x, Tensor weight, Tensor? bias, int max_rows) -> Tensor");
+  m.def("bf16_linear_dispatch(Tensor x, Tensor weight, Tensor? bias, int max_rows, "
+        "Tensor? packed_weight=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
   m.impl("bf16_linear_cpu", &bf16_linear_cpu);
+  m.impl("bf16_linear_dispatch", &bf16_linear_dispatch);
+}
+
+// A packed_weight is an opaque oneDNN tensor, so calls that pass one dispatch here.
+TORCH_LIBRARY_IMPL(kvmesh, MkldnnCPU, m) {
   m.impl("bf16_linear_dispatch", &bf16_linear_dispatch);
 }
 

@@ -61,11 +61,34 @@ def test_each_side_of_the_threshold_matches_f_linear(bias: bool, max_rows: int,
     _assert_close_to_float32(out, x, weight, b)
 
 
+needs_native_bf16 = pytest.mark.skipif(not NATIVE_BF16,
+                                       reason="oneDNN has no native bfloat16 on this CPU")
+
+
+@needs_native_bf16
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("num_rows", [1, 4, 5, 64])
+def test_above_the_threshold_a_packed_layer_runs_onednn_prepacked(bias: bool,
+                                                                  num_rows: int) -> None:
+    """With a packed copy, rows above max_rows go to oneDNN's prepacked linear (bit for
+    bit a PackedLinear's); rows up to it still to our kernel on the plain weight."""
+    x, weight, b = _operands(num_rows, bias, seed=num_rows)
+    layer = Bf16Linear(weight, b, 4, packed=True)
+    out = layer(x)
+    if num_rows <= 4:
+        ours = torch.ops.kvmesh.bf16_linear_cpu(x, weight)
+        assert torch.equal(out, ours if b is None else ours + b)
+    else:
+        assert torch.equal(out, PackedLinear(weight, b)(x))
+    _assert_close_to_float32(out, x, weight, b)
+
+
 @pytest.mark.parametrize("num_rows", [3, 4, 5])  # below, at and above max_rows
-def test_nan_stays_in_its_row(num_rows: int) -> None:
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=needs_native_bf16)])
+def test_nan_stays_in_its_row(num_rows: int, packed: bool) -> None:
     x, weight, _ = _operands(num_rows, bias=False, seed=7)
     x[1, 17] = float("nan")
-    out = Bf16Linear(weight, None, 4)(x)
+    out = Bf16Linear(weight, None, 4, packed=packed)(x)
     assert out[1].isnan().all()
     others = [i for i in range(num_rows) if i != 1]
     assert out[others].isfinite().all()
@@ -93,15 +116,22 @@ def test_refuses_what_it_cannot_serve() -> None:
         Bf16Linear(torch.zeros(4, 48, dtype=torch.bfloat16), None, 1)
     with pytest.raises(ValueError, match="max_rows must be >= 1, got 0"):
         Bf16Linear(torch.zeros(4, 64, dtype=torch.bfloat16), None, 0)
+    if not NATIVE_BF16:
+        with pytest.raises(ValueError, match="packed needs oneDNN's native bfloat16"):
+            Bf16Linear(torch.zeros(4, 64, dtype=torch.bfloat16), None, 1, packed=True)
 
 
 def test_cpu_linear_follows_the_table() -> None:
-    """Bfloat16 shapes with rows of our kernel get Bf16Linear; 0 rows and a shape not
-    in the table get oneDNN's PackedLinear where oneDNN runs bfloat16 natively, else
-    None (nn.Linear stays); float32 gets PackedLinear."""
+    """Bfloat16 shapes with rows of our kernel get Bf16Linear, with a prepacked copy
+    for oneDNN's rows where oneDNN runs bfloat16 natively and has rows; 0 rows and a
+    shape not in the table get oneDNN's PackedLinear where oneDNN runs bfloat16
+    natively, else None (nn.Linear stays); float32 gets PackedLinear."""
     weight = torch.zeros(8, 64, dtype=torch.bfloat16)
     layer = cpu_linear(weight, None, {(8, 64): 16})
     assert isinstance(layer, Bf16Linear) and layer.max_rows == 16
+    assert (layer.packed_weight is not None) == NATIVE_BF16
+    layer = cpu_linear(weight, None, {(8, 64): UNBOUNDED_ROWS})
+    assert isinstance(layer, Bf16Linear) and layer.packed_weight is None
     unserved = PackedLinear if NATIVE_BF16 else type(None)
     assert isinstance(cpu_linear(weight, None, {(8, 64): 0}), unserved)
     assert isinstance(cpu_linear(weight, None, {(8, 32): 16}), unserved)
@@ -131,10 +161,11 @@ def test_without_native_bf16_our_kernel_serves_or_nn_linear_stays(
 @pytest.mark.skipif(not cpp_compiler_available(), reason="inductor needs a C++ compiler")
 def test_compiled_graphs_choose_inside_one_op() -> None:
     """The batch-of-one graph and the dynamic one both call the C++ dispatch op, and
-    the dynamic graph serves row counts on both sides of max_rows: no Python body,
-    no graph break, no recompilation at the threshold."""
+    the dynamic graph serves row counts on both sides of max_rows (on the prepacked
+    copy where oneDNN has native bfloat16): no Python body, no graph break, no
+    recompilation at the threshold."""
     _, weight, b = _operands(1, bias=True)
-    layer = Bf16Linear(weight, b, 4)
+    layer = Bf16Linear(weight, b, 4, packed=NATIVE_BF16)
 
     def mlp(layer: Bf16Linear, x: torch.Tensor) -> torch.Tensor:
         return F.silu(layer(x)) * 2

@@ -15,7 +15,9 @@ go to the winner at 256).
 Measured on the benchmark machine (Xeon, Cascade Lake: AVX-512 and VNNI, no
 AVX512-BF16 or AMX; 2 threads): ours won at every row count for every shape of
 SmolLM2-135M: 0.55-0.7x oneDNN's time at one row, 0.25-0.5x at 2 to 256 rows
-(``benchmarks/cpu_kernels.py --choice-only`` prints the table).
+(``benchmarks/cpu_kernels.py --choice-only`` prints the table). On a Xeon with
+AMX and AVX512-BF16 (2 threads) ours won at 1 and 2 rows (0.55-0.8x oneDNN's
+prepacked time at one) and oneDNN from 4 or 8 rows on.
 
 A machine's tables are cached under the kvmesh cache directory, keyed by the CPU
 (model name and flags), the threads, torch's version and the kernel's source, so

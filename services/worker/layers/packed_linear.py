@@ -24,7 +24,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from services.worker.layers.bf16_linear import Bf16Linear
+from services.worker.layers.bf16_linear import UNBOUNDED_ROWS, Bf16Linear
 
 # The dtypes oneDNN's prepacked linear serves; float16 layers keep nn.Linear.
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -102,16 +102,19 @@ def cpu_linear(weight: torch.Tensor, bias: torch.Tensor | None,
                bf16_max_rows: Mapping[tuple[int, int], int]) -> nn.Module | None:
     """The CPU layer for a weight: a ``Bf16Linear`` where the weight is bfloat16 and
     ``bf16_max_rows`` (shape -> rows, from ``linear_choice.bf16_max_rows_by_shape``)
-    gives its shape at least one row of kvmesh's kernel, else a ``PackedLinear``
-    where it ``can_pack``, else None (``nn.Linear`` serves it as well as anything).
+    gives its shape at least one row of kvmesh's kernel (with a prepacked copy for
+    oneDNN's rows where it ``can_pack`` and they are not none), else a
+    ``PackedLinear`` where it ``can_pack``, else None (``nn.Linear`` serves it as
+    well as anything).
 
     Where oneDNN has no native bfloat16 (AVX2-only CPUs) a bfloat16 weight is never
     packed, but kvmesh's kernel still serves it up to its measured row count.
     """
     max_rows = bf16_max_rows.get(tuple(weight.shape), 0) if weight.dtype is torch.bfloat16 else 0
+    packable = can_pack(weight.dtype, weight.device)
     if max_rows > 0:
-        return Bf16Linear(weight, bias, max_rows)
-    return PackedLinear(weight, bias) if can_pack(weight.dtype, weight.device) else None
+        return Bf16Linear(weight, bias, max_rows, packed=packable and max_rows != UNBOUNDED_ROWS)
+    return PackedLinear(weight, bias) if packable else None
 
 
 def pack_linears_(module: nn.Module,
