@@ -78,12 +78,36 @@ def kvmesh_tok_s(engine: EngineCore, prompts: list[list[int]], output_len: int, 
     return len(prompts) * output_len / (time.perf_counter() - start)
 
 
+def cpu_has_amx() -> bool:
+    with open("/proc/cpuinfo") as cpuinfo:
+        return any(line.startswith("flags") and " amx_int8" in line for line in cpuinfo)
+
+
 def llama_cpp_model(n_threads: int):
+    """llama.cpp on the default GGUF. Where the CPU reports AMX, without its "extra
+    buffer types" (weights repacked for AMX tiles): in this benchmark's VM (a Xeon
+    with AMX, 2026-11-28) its AMX kernel died of SIGILL at its first tile load,
+    although AMX itself ran there (a C test of tdpbf16ps, and oneDNN). Its AVX-512
+    kernels serve instead; llama-cpp-python exposes the switch only in the model's
+    default parameters."""
+    import llama_cpp.llama_cpp as llama_cpp_c
     from llama_cpp import Llama
 
-    return Llama(model_path=str(default_gguf_path()), n_threads=n_threads,
-                 n_threads_batch=n_threads, n_ctx=2048, n_batch=1024, n_ubatch=1024,
-                 verbose=False)
+    default_params = llama_cpp_c.llama_model_default_params
+
+    def params_without_extra_buffers():
+        params = default_params()
+        params.use_extra_bufts = False
+        return params
+
+    if cpu_has_amx():
+        llama_cpp_c.llama_model_default_params = params_without_extra_buffers
+    try:
+        return Llama(model_path=str(default_gguf_path()), n_threads=n_threads,
+                     n_threads_batch=n_threads, n_ctx=2048, n_batch=1024, n_ubatch=1024,
+                     verbose=False)
+    finally:
+        llama_cpp_c.llama_model_default_params = default_params
 
 
 def llama_cpp_tok_s(llm, prompt: list[int], output_len: int) -> float:
