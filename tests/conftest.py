@@ -81,6 +81,14 @@ def default_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def hf_bfloat16(default_model_dir: Path):
+    """transformers' SmolLM2 in bfloat16: the judge of near ties (tests/near_ties.py)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.bfloat16).eval()
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
     """A tiny random-weight Llama with SmolLM2's tokenizer (tests/e2e/tiny_model.py),
     for tests about plumbing rather than what the model says."""

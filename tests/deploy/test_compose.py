@@ -5,8 +5,8 @@ every healthcheck waited for, a greedy answer streamed through each published
 frontend port over gRPC and over HTTP with the ``openai`` client, a prefix
 routed to the cell that holds it through Redis, a worker container and then a
 scheduler container killed mid-generation with every stream finishing as it
-would have, the image's fast paths and one-stream speed against the host's, and
-``down -v`` leaving nothing behind.
+would have (up to a near tie in bfloat16), the image's fast paths and one-stream
+speed against the host's, and ``down -v`` leaving nothing behind.
 
 The base image stands in for python:3.11-slim and the Redis image for redis:7
 (tests/deploy/images.py). Without root, a Docker engine or debootstrap the
@@ -32,6 +32,7 @@ from tests.deploy.compose import BuiltImage, ComposeProject, build_kvmesh_image,
 from tests.deploy.images import (docker_command, docker_unavailable_reason, ensure_base_image,
                                  ensure_redis_image)
 from tests.e2e.helpers import Streams, prompts, reference, wait_for
+from tests.near_ties import NEAR_TIE_LOGPROB_GAP, assert_equal_up_to_a_near_tie
 
 pytestmark = [
     pytest.mark.docker,
@@ -168,7 +169,12 @@ def test_redis_refuses_a_client_without_the_password(deployment: Deployment):
     assert "NOAUTH" in answer.stdout + answer.stderr, answer
 
 
-def test_a_scheduler_container_killed_mid_generation_changes_no_output(deployment: Deployment):
+def test_a_scheduler_container_killed_mid_generation_changes_no_output(deployment: Deployment,
+                                                                      hf_bfloat16):
+    """The dead cell's requests resume in the other cell with the output they would
+    have had. The workers run the CPU's default dtype: in bfloat16 a resumed request
+    (its tokens so far prefilled, in another batch) may part from the undisturbed
+    run at a near tie, where the kernel chosen per row count rounds differently."""
     project = deployment.project
     grpc_port, _ = deployment.frontends[0]
     token_prompts = prompts(seed=11, count=4)
@@ -180,7 +186,10 @@ def test_a_scheduler_container_killed_mid_generation_changes_no_output(deploymen
         project.docker("kill", project.container_ids("scheduler")[0])
         streams.join(300)
         assert streams.errors == [None] * 4
-        assert streams.tokens == expected  # the dead cell's requests resumed in the other
+        assert [len(tokens) for tokens in streams.tokens] == [64] * 4
+        for i, (tokens, prompt) in enumerate(zip(streams.tokens, token_prompts)):
+            assert_equal_up_to_a_near_tie(tokens, expected[i], prompt, hf_bfloat16,
+                                          NEAR_TIE_LOGPROB_GAP["bfloat16"], f"stream {i}")
         project.docker("start", *project.container_ids("scheduler"))
         project.wait_healthy(HEALTHY_TIMEOUT_S)
         # Both workers may be in the live cell by now: one moves back (its

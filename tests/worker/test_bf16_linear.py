@@ -24,6 +24,8 @@ pytestmark = pytest.mark.skipif(not has_cpu_kernel("bf16_linear_dispatch"),
                                 reason="kvmesh's CPU kernels (AVX-512 or AVX2) are needed")
 # Where oneDNN has no native bfloat16 (AVX2-only CPUs) it packs no bfloat16 weight.
 NATIVE_BF16 = can_pack(torch.bfloat16, torch.device("cpu"))
+needs_native_bf16 = pytest.mark.skipif(not NATIVE_BF16,
+                                       reason="oneDNN has no native bfloat16 on this CPU")
 IN_FEATURES, OUT_FEATURES = 96, 44
 
 
@@ -59,10 +61,6 @@ def test_each_side_of_the_threshold_matches_f_linear(bias: bool, max_rows: int,
     else:
         assert torch.equal(out, F.linear(x, weight, b))
     _assert_close_to_float32(out, x, weight, b)
-
-
-needs_native_bf16 = pytest.mark.skipif(not NATIVE_BF16,
-                                       reason="oneDNN has no native bfloat16 on this CPU")
 
 
 @needs_native_bf16
