@@ -50,6 +50,7 @@ from services.common.limits import SchedulingLimits
 from services.common.model_files import default_gguf_path, resolve_model_dir
 from services.scheduler.config import SchedulingOptions
 from services.worker.config import WorkerConfig
+from services.worker.cpu_capability import detect_cpu_capability
 
 KVMESH_VARIANTS = {"kvmesh float32": ("float32", None), "kvmesh bfloat16": ("bfloat16", None),
                    "kvmesh int8": ("bfloat16", "int8"), "kvmesh w8a8": ("bfloat16", "w8a8"),
@@ -78,11 +79,6 @@ def kvmesh_tok_s(engine: EngineCore, prompts: list[list[int]], output_len: int, 
     return len(prompts) * output_len / (time.perf_counter() - start)
 
 
-def cpu_has_amx() -> bool:
-    with open("/proc/cpuinfo") as cpuinfo:
-        return any(line.startswith("flags") and " amx_int8" in line for line in cpuinfo)
-
-
 def llama_cpp_model(n_threads: int):
     """llama.cpp on the default GGUF. Where the CPU reports AMX, without its "extra
     buffer types" (weights repacked for AMX tiles): in this benchmark's VM (a Xeon
@@ -100,7 +96,7 @@ def llama_cpp_model(n_threads: int):
         params.use_extra_bufts = False
         return params
 
-    if cpu_has_amx():
+    if detect_cpu_capability().amx:
         llama_cpp_c.llama_model_default_params = params_without_extra_buffers
     try:
         return Llama(model_path=str(default_gguf_path()), n_threads=n_threads,

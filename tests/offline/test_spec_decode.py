@@ -18,6 +18,7 @@ import pytest
 
 from kvmesh.offline import LLM, SamplingParams
 from services.common.sampling_params import StructuredOutputsParams
+from tests.near_ties import first_divergence
 
 pytestmark = pytest.mark.slow
 
@@ -117,7 +118,7 @@ def test_bfloat16_differs_only_at_near_ties():
     params = SamplingParams(temperature=0.0, max_tokens=64, logprobs=2)
     for w, g in zip(chat(plain, GROUNDED, params), chat(spec, GROUNDED, params)):
         ours, theirs = g.outputs[0].token_ids, w.outputs[0].token_ids
-        step = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        step = first_divergence(ours, theirs)
         if step is not None:  # the run without drafts had its top two nearly tied there
             top = sorted(w.outputs[0].logprobs[step].values(), key=lambda p: -p.logprob)
             assert top[0].logprob - top[1].logprob < NEAR_TIE_LOGPROB_GAP, (step, top)
