@@ -130,6 +130,6 @@ def _register_fake_kernels() -> None:
         return x.new_empty(x.shape[0], qweight.shape[0])
 
     @torch.library.register_fake("kvmesh::gguf_linear_packed_cpu")
-    def _gguf_linear_packed_cpu(x: torch.Tensor, packed: torch.Tensor,
-                                quant_type: int) -> torch.Tensor:
+    def _gguf_linear_packed_cpu(x: torch.Tensor, packed: torch.Tensor, quant_type: int,
+                                use_vnni: bool = True) -> torch.Tensor:
         return x.new_empty(x.shape[0], packed.shape[0])

@@ -16,7 +16,8 @@ load by ``pack_rows``: the same bytes, reordered so that one vector holds a 4-by
 chunk of eight rows' quants and one holds their eight scales. Each row's dot product
 then stays on its own vector lane, with no horizontal sums and no scale broadcast
 per row: about a third of the instructions per byte on AVX2, where the kernel is
-compute-bound at one row (issue 24).
+compute-bound at one row (issue 24). With AVX512-VNNI it multiplies two chunks per
+512-bit vpdpbusd and gives the AVX2 path's outputs bit for bit.
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@
 //     and scales are stored in the lane order the weights unpack to.
 //   * AVX2 (every x86-64 the library is built for): a block per 256-bit vector,
 //     vpmaddubsw + vpmaddwd (Q8_0 with the sign trick: products stay under int16).
+// gguf_linear_packed_cpu reads the rows packed by eight at load (below), on the
+// same two paths.
 //
 // Built at run time by kernels/cpu_extension.py with the C++ compiler inductor uses.
 #include <ATen/ATen.h>
@@ -423,7 +425,7 @@ void gguf_linear_kernel(const at::Tensor& x, const at::Tensor& qweight, int64_t 
 constexpr int64_t kPackRows = 8;
 
 // One activation row's blocks: q_x in order, d_x, and aux (Q4_0: -8 * sum(q_x) as
-// int32; Q4_1: d_x * sum(q_x) as float; Q8_0: unused).
+// int32; Q4_1: d_x * sum(q_x) as float; Q8_0: -128 * sum(q_x), used by VNNI only).
 struct PackedX {
   const int8_t* q;
   const float* d;
@@ -497,6 +499,80 @@ KVMESH_AVX2 void dot_group_packed(const uint8_t* group, int64_t num_blocks, cons
   }
 }
 
+// ---- AVX512-VNNI on the same packed rows ----
+//
+// One 512-bit load is two consecutive chunks of the 8 rows (chunk j on lanes 0-7,
+// j + 1 on lanes 8-15); the activation's 8 matching bytes are spread to those lanes
+// (vpermd) and vpdpbusd sums each row's products on its two lanes. The halves are
+// added per block, so the float arithmetic is the AVX2 kernel's, bit for bit.
+
+// x's quants p[0..3] on lanes 0-7 and p[4..7] on lanes 8-15.
+KVMESH_VNNI inline __m512i spread_pair(const int8_t* p) {
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                  _mm512_castsi128_si512(v));
+}
+
+// A block's quants of the 8 rows as four unsigned vectors; w[v] pairs with x's
+// quants 8v..8v+7. Q8_0 is shifted to unsigned (+128); aux carries the -128 * sum(q_x).
+template <int64_t QT>
+KVMESH_VNNI inline void load_block_vnni(const uint8_t* qs, __m512i (&w)[4]) {
+  if constexpr (QT == kQ8_0) {
+    for (int v = 0; v < 4; ++v) {
+      w[v] = _mm512_xor_si512(_mm512_loadu_si512(qs + 64 * v),
+                              _mm512_set1_epi8(static_cast<char>(0x80)));
+    }
+  } else {  // chunks 0-1 hold quants 0-7 (low nibbles) and 16-23 (high); 2-3 the rest
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i a = _mm512_loadu_si512(qs), b = _mm512_loadu_si512(qs + 64);
+    w[0] = _mm512_and_si512(a, low);
+    w[1] = _mm512_and_si512(b, low);
+    w[2] = _mm512_and_si512(_mm512_srli_epi16(a, 4), low);
+    w[3] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+  }
+}
+
+template <int64_t QT, int64_t MB>
+KVMESH_VNNI void dot_packed_vnni(const uint8_t* group, int64_t num_blocks, const PackedX* xs,
+                                 float* out) {
+  using F = Format<QT>;
+  __m256 acc[MB];
+  for (int64_t m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  constexpr int64_t kScaleBytes = kPackRows * F::kQs;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* blk = group + b * kPackRows * F::kBytes;
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    __m256 mw = _mm256_setzero_ps();
+    if constexpr (QT == kQ4_1) {
+      mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+    }
+    __m512i w[4];
+    load_block_vnni<QT>(blk + kScaleBytes, w);
+    for (int64_t m = 0; m < MB; ++m) {
+      const int8_t* xq = xs[m].q + b * kBlock;
+      // Two chains of two, so that vpdpbusd's latency overlaps.
+      __m512i s0 = QT == kQ4_1 ? _mm512_setzero_si512()
+                               : _mm512_maskz_set1_epi32(0x00FF, xs[m].aux[b]);
+      __m512i s1 = _mm512_setzero_si512();
+      s0 = _mm512_dpbusd_epi32(s0, w[0], spread_pair(xq));
+      s1 = _mm512_dpbusd_epi32(s1, w[1], spread_pair(xq + 8));
+      s0 = _mm512_dpbusd_epi32(s0, w[2], spread_pair(xq + 16));
+      s1 = _mm512_dpbusd_epi32(s1, w[3], spread_pair(xq + 24));
+      const __m512i s2 = _mm512_add_epi32(s0, s1);
+      const __m256i s = _mm256_add_epi32(_mm512_castsi512_si256(s2),
+                                         _mm512_extracti64x4_epi64(s2, 1));
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xs[m].d[b]));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[m]);
+      if constexpr (QT == kQ4_1) {
+        float min_term;
+        std::memcpy(&min_term, &xs[m].aux[b], sizeof(min_term));
+        acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(min_term), acc[m]);
+      }
+    }
+  }
+  for (int64_t m = 0; m < MB; ++m) _mm256_storeu_ps(out + m * kPackRows, acc[m]);
+}
+
 template <int64_t QT, int64_t MB>
 KVMESH_AVX2 void dot_packed(const uint8_t* group, int64_t num_blocks, const PackedX* xs,
                             float* out) {
@@ -508,13 +584,26 @@ KVMESH_AVX2 void dot_packed(const uint8_t* group, int64_t num_blocks, const Pack
 
 using DotPacked = void (*)(const uint8_t*, int64_t, const PackedX*, float*);
 
-template <int64_t QT>
+template <int64_t QT, bool kVnni>
 DotPacked dot_packed_for(int64_t mb) {
-  return mb == 1 ? dot_packed<QT, 1> : mb == 2 ? dot_packed<QT, 2>
-       : mb == 3 ? dot_packed<QT, 3> : dot_packed<QT, 4>;
+  if constexpr (kVnni) {
+    return mb == 1 ? dot_packed_vnni<QT, 1> : mb == 2 ? dot_packed_vnni<QT, 2>
+         : mb == 3 ? dot_packed_vnni<QT, 3> : dot_packed_vnni<QT, 4>;
+  } else {
+    return mb == 1 ? dot_packed<QT, 1> : mb == 2 ? dot_packed<QT, 2>
+         : mb == 3 ? dot_packed<QT, 3> : dot_packed<QT, 4>;
+  }
 }
 
-// Activation rows quantized per block, in order: int8 [M, K], d [M, K / 32], aux.
+template <bool kVnni>
+DotPacked dot_packed_for(int64_t quant_type, int64_t mb) {
+  return quant_type == kQ4_0 ? dot_packed_for<kQ4_0, kVnni>(mb)
+       : quant_type == kQ4_1 ? dot_packed_for<kQ4_1, kVnni>(mb)
+                             : dot_packed_for<kQ8_0, kVnni>(mb);
+}
+
+// Activation rows quantized per block, in order: int8 [M, K], d [M, K / 32], aux
+// (Q4_0: -8 * sum(q_x); Q8_0: -128 * sum(q_x), for VNNI's unsigned weights).
 KVMESH_AVX2 void quantize_rows_packed(const float* x, int64_t M, int64_t K, int64_t quant_type,
                                       int8_t* q, float* d, int32_t* aux) {
   const int64_t num_blocks = K / kBlock;
@@ -526,14 +615,14 @@ KVMESH_AVX2 void quantize_rows_packed(const float* x, int64_t M, int64_t K, int6
       const float v = xb.d * static_cast<float>(xb.sum);
       std::memcpy(aux + i, &v, sizeof(v));
     } else {
-      aux[i] = -8 * xb.sum;
+      aux[i] = (quant_type == kQ4_0 ? -8 : -128) * xb.sum;
     }
   }
 }
 
 template <typename scalar_t>
 void gguf_linear_packed_kernel(const at::Tensor& x, const at::Tensor& packed, int64_t quant_type,
-                               at::Tensor& out) {
+                               bool vnni, at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   const int64_t num_blocks = K / kBlock, row_bytes = packed.size(1);
   const at::Tensor x_float = x.to(at::kFloat).contiguous();
@@ -545,8 +634,8 @@ void gguf_linear_packed_kernel(const at::Tensor& x, const at::Tensor& packed, in
   quantize_rows_packed(x_float.data_ptr<float>(), M, K, quant_type, q, d, aux);
   DotPacked kernels[kMaxXRows];
   for (int64_t mb = 1; mb <= kMaxXRows; ++mb) {
-    kernels[mb - 1] = quant_type == kQ4_0 ? dot_packed_for<kQ4_0>(mb)
-                    : quant_type == kQ4_1 ? dot_packed_for<kQ4_1>(mb) : dot_packed_for<kQ8_0>(mb);
+    kernels[mb - 1] = vnni ? dot_packed_for<true>(quant_type, mb)
+                           : dot_packed_for<false>(quant_type, mb);
   }
   const uint8_t* w = packed.data_ptr<uint8_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
@@ -590,17 +679,18 @@ void check_operands(const char* op, const at::Tensor& x, const at::Tensor& qweig
 }
 
 at::Tensor gguf_linear_packed_cpu(const at::Tensor& x, const at::Tensor& packed,
-                                  int64_t quant_type) {
+                                  int64_t quant_type, bool use_vnni) {
   check_operands("gguf_linear_packed_cpu", x, packed, quant_type);
   TORCH_CHECK(packed.size(0) % kPackRows == 0, "gguf_linear_packed_cpu: packed has ",
               packed.size(0), " rows; it must be a multiple of ", kPackRows);
   auto out = at::empty({x.size(0), packed.size(0)}, x.options());
   if (x.size(0) == 0 || packed.size(0) == 0) return out;
   if (x.size(1) == 0) return out.zero_();
+  const bool vnni = use_vnni && cpu_has_vnni();
   if (x.scalar_type() == at::kBFloat16) {
-    gguf_linear_packed_kernel<at::BFloat16>(x, packed, quant_type, out);
+    gguf_linear_packed_kernel<at::BFloat16>(x, packed, quant_type, vnni, out);
   } else {
-    gguf_linear_packed_kernel<float>(x, packed, quant_type, out);
+    gguf_linear_packed_kernel<float>(x, packed, quant_type, vnni, out);
   }
   return out;
 }
@@ -623,9 +713,10 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, int64
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
-  // use_vnni=False forces the AVX2 path (tests).
+  // use_vnni=False forces the AVX2 path (tests, benchmarks).
   m.def("gguf_linear_cpu(Tensor x, Tensor qweight, int quant_type, bool use_vnni=True) -> Tensor");
-  m.def("gguf_linear_packed_cpu(Tensor x, Tensor packed, int quant_type) -> Tensor");
+  m.def("gguf_linear_packed_cpu(Tensor x, Tensor packed, int quant_type, bool use_vnni=True) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {

@@ -28,9 +28,9 @@ from kernels.gguf_quants import GGMLQuantizationType
 QUANT_TYPES = list(GGMLQuantizationType)
 needs_kernel = pytest.mark.skipif(not cpu_extension.has_cpu_kernel("gguf_linear_cpu"),
                                   reason="kvmesh's C++ kernels are not built on this machine")
-# The file's rows on either path (use_vnni=False forces AVX2; on a CPU without
-# AVX512-VNNI both run AVX2), and the rows packed by eight (gguf_linear_packed_cpu).
-KERNELS = pytest.mark.parametrize("kernel", ["vnni", "avx2", "packed"])
+# The file's rows and the rows packed by eight (gguf_linear_packed_cpu), each on
+# either path (use_vnni=False forces AVX2; on a CPU without AVX512-VNNI both run AVX2).
+KERNELS = pytest.mark.parametrize("kernel", ["vnni", "avx2", "packed vnni", "packed avx2"])
 
 
 @functools.cache
@@ -51,16 +51,21 @@ def _x(num_rows: int, num_cols: int, dtype: torch.dtype, seed: int) -> torch.Ten
 
 def _op(kernel: str, qweight: torch.Tensor, quant_type: GGMLQuantizationType
         ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x -> x @ W.T by ``kernel`` on ``qweight`` (the file's rows; packed here for "packed")."""
-    if kernel == "packed":
+    """x -> x @ W.T by ``kernel`` on ``qweight`` (the file's rows; packed here for the
+    "packed" kernels)."""
+    use_vnni = kernel.endswith("vnni")
+    if kernel.startswith("packed"):
         packed = pack_rows(qweight, quant_type)
-        return lambda x: torch.ops.kvmesh.gguf_linear_packed_cpu(x, packed, int(quant_type))
-    return lambda x: torch.ops.kvmesh.gguf_linear_cpu(x, qweight, int(quant_type), kernel == "vnni")
+        return lambda x: torch.ops.kvmesh.gguf_linear_packed_cpu(x, packed, int(quant_type),
+                                                                 use_vnni)
+    return lambda x: torch.ops.kvmesh.gguf_linear_cpu(x, qweight, int(quant_type), use_vnni)
 
 
 def _rows(kernel: str, out_features: int) -> int:
-    """``out_features``, rounded up to whole groups of eight for the packed kernel."""
-    return -(-out_features // PACK_ROWS) * PACK_ROWS if kernel == "packed" else out_features
+    """``out_features``, rounded up to whole groups of eight for the packed kernels."""
+    if kernel.startswith("packed"):
+        return -(-out_features // PACK_ROWS) * PACK_ROWS
+    return out_features
 
 
 def _gguf_type(quant_type: GGMLQuantizationType) -> gguf.GGMLQuantizationType:
@@ -152,6 +157,22 @@ def test_every_output_is_written_and_rows_are_independent(
     assert out[[1, 3]].isnan().all()
     assert gguf_linear_ref(x, qweight, quant_type)[[1, 3]].isnan().all()
     assert torch.equal(out[[0, 2, 4]], clean[[0, 2, 4]])
+
+
+@needs_kernel
+@pytest.mark.parametrize("quant_type", QUANT_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("num_tokens", [1, 3, 4, 6])
+@pytest.mark.parametrize(("out_features", "in_features"), [(8, 32), (40, 544), (576, 1536)])
+def test_packed_kernel_gives_the_same_bits_on_both_paths(
+        quant_type: GGMLQuantizationType, num_tokens: int, out_features: int,
+        in_features: int) -> None:
+    """On the packed rows, VNNI's integer sums are AVX2's and its float arithmetic is
+    the same, in the same order: the outputs are equal bit for bit."""
+    qweight = _weight(quant_type, out_features, in_features)
+    x = _x(num_tokens, in_features, torch.float32, seed=num_tokens)
+    vnni = _op("packed vnni", qweight, quant_type)(x)
+    assert torch.equal(vnni, _op("packed avx2", qweight, quant_type)(x))
+    assert float(vnni.abs().max()) > 0
 
 
 def test_activation_quantization_is_int8_per_block() -> None:

@@ -1,13 +1,13 @@
 """Which layout a GGUF weight is kept in on this machine: measured once per block type.
 
-A GGUF layer's kernel reads either the file's own rows (``gguf_linear_cpu``: AVX512-VNNI
-where the CPU has it, else AVX2) or the same bytes repacked at load by eight rows
-(``gguf_linear_packed_cpu``, AVX2 on every CPU; ``kernels/gguf_linear_cpu.py``). On
-the AVX2-only EPYC (Zen 3, 2 threads) the packed kernel took 0.5-0.85x the time at
-one row and four; on a VNNI CPU the file's rows meet a 512-bit kernel instead, so
-the worker measures rather than assumes: per block type, the fastest call of each
-at one row (a decode step), on copies of a decode-sized weight that together
-exceed the last-level cache, as ``linear_choice`` measures.
+A GGUF layer's kernel reads either the file's own rows (``gguf_linear_cpu``) or the
+same bytes repacked at load by eight rows (``gguf_linear_packed_cpu``); both run
+AVX512-VNNI where the CPU has it, else AVX2 (``kernels/gguf_linear_cpu.py``). On the
+AVX2-only EPYC (Zen 3, 2 threads) the packed kernel took 0.5-0.85x the time at one
+row and four; on a Xeon with AMX the two tied for Q8_0. So the worker measures
+rather than assumes: per block type, the fastest call of each at one row (a decode
+step), on copies of a decode-sized weight that together exceed the last-level
+cache, as ``linear_choice`` measures.
 
 Cached beside ``linear_choice``'s tables (same keys: CPU, threads, torch, kernel
 sources), one file per block type; editing its ``packed`` overrides the choice.
