@@ -9,7 +9,8 @@
 // head at a time and unprefetched, the loads were latency-bound at a fifth of
 // memory bandwidth. Within a block: each token's scores (a K row in registers,
 // dotted with its KV head's queries), one online-softmax update per head, then
-// each head's output accumulated in registers over the V rows. Scores, softmax and
+// the outputs of each KV head's query heads accumulated in registers over its V
+// rows, a few heads at a time, each row converted once. Scores, softmax and
 // sums are float32; head sizes are compile-time (32, 64, 128, 256).
 //
 // Built at run time by kernels/cpu_extension.py with the C++ compiler inductor uses.
@@ -80,6 +81,58 @@ struct Shape {
   int64_t block_stride, token_stride;  // cache elements between blocks, between tokens
 };
 
+// Query heads [first, first + count) of one KV head's group.
+struct Heads {
+  int64_t first, count;
+};
+
+// The outputs of heads [first, first + NH), rescaled by `correction` and accumulated
+// over a block's `num_tokens` value rows weighted by `scores`, in registers (cheaper
+// than loading and storing the accumulators once per token). The heads
+// share a KV head, so each V row is converted to float32 once for all of them
+// rather than once per query head.
+template <int HEAD, int NH, typename kv_t>
+inline void accumulate_heads(int64_t first, const kv_t* values, int64_t token_stride,
+                             int64_t num_tokens, const float (*scores)[kMaxBlockSize],
+                             const float* correction, float* acc) {
+  constexpr int kVecs = HEAD / Vec::size();
+  Vec out[NH][kVecs];
+  Vec row[kVecs];
+  for (int j = 0; j < NH; ++j) {
+    const float* a = acc + (first + j) * HEAD;
+    for (int i = 0; i < kVecs; ++i) {
+      out[j][i] = Vec::loadu(a + i * Vec::size()) * Vec(correction[first + j]);
+    }
+  }
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    load_row<HEAD>(values + t * token_stride, row);
+    for (int j = 0; j < NH; ++j) {
+      const Vec p(scores[first + j][t]);
+      for (int i = 0; i < kVecs; ++i) out[j][i] = at::vec::fmadd(p, row[i], out[j][i]);
+    }
+  }
+  for (int j = 0; j < NH; ++j) {
+    float* a = acc + (first + j) * HEAD;
+    for (int i = 0; i < kVecs; ++i) out[j][i].store(a + i * Vec::size());
+  }
+}
+
+// accumulate_heads for up to kTile heads, the count known at compile time.
+template <int HEAD, int64_t kTile, typename kv_t>
+inline void accumulate_values(const Heads& heads, const kv_t* values, int64_t token_stride,
+                              int64_t num_tokens, const float (*scores)[kMaxBlockSize],
+                              const float* correction, float* acc) {
+  if constexpr (kTile > 1) {
+    if (heads.count < kTile) {
+      accumulate_values<HEAD, kTile - 1>(heads, values, token_stride, num_tokens, scores,
+                                         correction, acc);
+      return;
+    }
+  }
+  accumulate_heads<HEAD, kTile>(heads.first, values, token_stride, num_tokens, scores,
+                                correction, acc);
+}
+
 // Partial attention of one request over its blocks [block_begin, block_end): per
 // head, the unnormalised output `acc` [num_heads, head_size], the running max `m`
 // and sum of exponentials `l` ([num_heads] each). `q` is scaled, float32. While a
@@ -118,10 +171,11 @@ void attend_blocks(const Shape& s, const float* q, const kv_t* key_cache, const 
         }
       }
     }
+    alignas(64) float correction[kMaxHeads];
     for (int64_t h = 0; h < s.num_heads; ++h) {
       float block_max = m[h];
       for (int64_t t = 0; t < num_tokens; ++t) block_max = std::max(block_max, scores[h][t]);
-      const float correction = std::exp(m[h] - block_max);  // 0 on the first block
+      correction[h] = std::exp(m[h] - block_max);  // 0 on the first block
       m[h] = block_max;
       Vec sum(0.f);
       for (int64_t t = 0; t < num_tokens; t += Vec::size()) {
@@ -130,20 +184,20 @@ void attend_blocks(const Shape& s, const float* q, const kv_t* key_cache, const 
         p.store(scores[h] + t, width);
         sum = sum + Vec::set(Vec(0.f), p, width);
       }
-      l[h] = l[h] * correction + reduce_sum(sum);
-      // The head's output, rescaled to the new max, accumulates in registers over
-      // the block's values (each row converted once per head: cheaper than
-      // loading and storing the accumulator once per token).
-      float* a = acc + h * HEAD;
-      Vec out[kVecs];
-      for (int i = 0; i < kVecs; ++i) out[i] = Vec::loadu(a + i * Vec::size()) * Vec(correction);
-      const kv_t* values = value_cache + base + (h / s.group) * HEAD;
-      for (int64_t t = 0; t < num_tokens; ++t) {
-        load_row<HEAD>(values + t * s.token_stride, row);
-        const Vec p(scores[h][t]);
-        for (int i = 0; i < kVecs; ++i) out[i] = at::vec::fmadd(p, row[i], out[i]);
+      l[h] = l[h] * correction[h] + reduce_sum(sum);
+    }
+    // Each KV head's value rows, converted once for the query heads of its group, a
+    // tile of heads at a time: as many (up to 4) as keep their outputs and a row in
+    // the vector registers (32 on AVX-512, 16 on AVX2), else one.
+    constexpr int kRegisters = Vec::size() == 16 ? 32 : 16;
+    constexpr int64_t kTile = std::clamp((kRegisters - 2) / kVecs - 1, 1, 4);
+    for (int64_t kvh = 0; kvh < s.num_kv_heads; ++kvh) {
+      const kv_t* values = value_cache + base + kvh * HEAD;
+      for (int64_t h = kvh * s.group; h < (kvh + 1) * s.group; h += kTile) {
+        const Heads heads{h, std::min(kTile, (kvh + 1) * s.group - h)};
+        accumulate_values<HEAD, kTile>(heads, values, s.token_stride, num_tokens, scores,
+                                       correction, acc);
       }
-      for (int i = 0; i < kVecs; ++i) out[i].store(a + i * Vec::size());
     }
   }
 }

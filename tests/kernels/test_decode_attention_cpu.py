@@ -34,10 +34,12 @@ def _batch(seq_lens: list[int], block_size: int, num_heads: int, num_kv_heads: i
 
 @pytest.mark.parametrize(("q_dtype", "kv_dtype"), [(F32, F32), (BF16, BF16), (BF16, F32), (F32, BF16)])
 @pytest.mark.parametrize(("block_size", "num_heads", "num_kv_heads", "head_size"),
-                         [(16, 9, 3, 64), (8, 4, 4, 32), (32, 8, 2, 128)])
+                         [(16, 9, 3, 64), (8, 4, 4, 32), (32, 8, 2, 128), (16, 16, 2, 64),
+                          (16, 5, 1, 32), (16, 12, 2, 256)])
 def test_kernel_matches_reference(q_dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int,
                                   num_heads: int, num_kv_heads: int, head_size: int) -> None:
-    """Partial last blocks, one-token histories, stale table entries, GQA groups of 1-4."""
+    """Partial last blocks, one-token histories, stale table entries, GQA groups of 1-8
+    (the kernel takes a group's heads a few at a time: whole tiles and remainders)."""
     args = _batch([1, 17, 40, 9, 70, block_size], block_size, num_heads, num_kv_heads,
                   head_size, q_dtype, kv_dtype, seed=block_size + head_size)
     out = torch.ops.kvmesh.decode_attention_cpu(*args, 0.2)
