@@ -1,12 +1,13 @@
 """Linear kernels for a decode step on the CPU, per number of rows, on SmolLM2-135M's shapes.
 
-For each weight shape and M rows of activations: microseconds per call and GB/s of
-weight read (the weight's bytes / time) for kvmesh's GGUF kernel (Q4_0, Q4_1, Q8_0;
-its AVX512-VNNI path where the CPU has one, its AVX2 path, and its AVX2 kernel on
-rows packed by eight), kvmesh's bfloat16 kernel, torch's ``F.linear``
-in bfloat16 and float32 (oneDNN), kvmesh's weight-only int8 kernel and its w8a8
-kernel (int8 weights, activations quantized per token; VNNI and AVX2 paths). The table
-is what a dispatch choice (rows x instruction set -> kernel) reads.
+For each weight shape the worker runs (q/k/v and gate/up fused) and M rows of
+activations: microseconds per call and GB/s of weight read (the weight's bytes /
+time) for kvmesh's GGUF kernel (Q4_0, Q4_1, Q8_0; on the file's rows and on rows
+packed by eight, each on its AVX512-VNNI path where the CPU has one and on its AVX2
+path), kvmesh's bfloat16 kernel, torch's ``F.linear`` in bfloat16 and float32
+(oneDNN), kvmesh's weight-only int8 kernel and its w8a8 kernel (int8 weights,
+activations quantized per token; VNNI and AVX2 paths). The table is what a dispatch
+choice (rows x instruction set -> kernel) reads.
 
 Decode streams the weights from memory (the model's blocks are bigger than the
 last-level cache), so every call reads a different copy of the weight, cycling
@@ -54,14 +55,13 @@ from services.worker.layers import gguf_layout, linear_choice, quantized_choice
 from services.worker.layers.bf16_linear import UNBOUNDED_ROWS
 from services.worker.model_loader import load_model
 
-# SmolLM2-135M: hidden 576, intermediate 1536, 9 heads x 64, 3 KV heads, vocab 49152.
-SHAPES = {"q_proj/o_proj": (576, 576), "k_proj/v_proj": (192, 576),
-          "gate/up_proj": (1536, 576), "down_proj": (576, 1536), "lm_head": (49152, 576)}
 NUM_ROWS = (1, 2, 4, 8, 16, 32)
 # Each call's weight copy was last read twice the L3's size ago: it comes from memory.
 COPIES_BYTES = max(96 << 20, 2 * linear_choice.last_level_cache_bytes())
 BANDWIDTH_BYTES = max(256 << 20, COPIES_BYTES)  # what the read bandwidth is measured over
-# The bfloat16 weights as the worker holds them: q/k/v and gate/up fused.
+# SmolLM2-135M's weights (hidden 576, intermediate 1536, 9 heads x 64, 3 KV heads,
+# vocab 49152) as the worker holds them in every dtype and quantization: q/k/v and
+# gate/up fused, so no call reads k_proj's 192 rows alone.
 WORKER_SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576),
                  "down_proj": (576, 1536), "lm_head": (49152, 576)}
 
@@ -116,10 +116,11 @@ def candidates(out_features: int, in_features: int) -> dict[str, tuple[list, Cal
                     qweight, lambda x, w, t=int(quant_type), v=use_vnni:
                     torch.ops.kvmesh.gguf_linear_cpu(x, w[0], t, v))
             if has_cpu_kernel("gguf_linear_packed_cpu") and out_features % PACK_ROWS == 0:
-                kernels[f"{quant_type.name} packed"] = (
-                    [(pack_rows(w, quant_type),) for (w,) in qweight],
-                    lambda x, w, t=int(quant_type):
-                    torch.ops.kvmesh.gguf_linear_packed_cpu(x, w[0], t))
+                packed = [(pack_rows(w, quant_type),) for (w,) in qweight]
+                for path, use_vnni in (("vnni", True), ("avx2", False)):
+                    kernels[f"{quant_type.name} packed {path}"] = (
+                        packed, lambda x, w, t=int(quant_type), v=use_vnni:
+                        torch.ops.kvmesh.gguf_linear_packed_cpu(x, w[0], t, v))
     if has_cpu_kernel("bf16_linear_cpu"):
         kernels["bf16 kvmesh"] = (copies(weight.bfloat16()),
                                   lambda x, w: torch.ops.kvmesh.bf16_linear_cpu(x.bfloat16(), w[0]))
@@ -220,7 +221,7 @@ def main() -> None:
     print(f"threads {args.threads}; read bandwidth (Tensor.sum over {BANDWIDTH_BYTES >> 20} "
           f"MiB float32): {read_bandwidth_gb_s(args.repeats):.1f} GB/s; "
           "x float32 (bfloat16 for bf16 F.linear)")
-    for name, (out_features, in_features) in SHAPES.items():
+    for name, (out_features, in_features) in WORKER_SHAPES.items():
         kernels = candidates(out_features, in_features)
         print(f"\n{name} [{out_features} x {in_features}]: us per call (GB/s of weight read)")
         print(f"{'M':>3} " + "".join(f"{k:>18}" for k in kernels))
