@@ -460,6 +460,31 @@ KVMESH_AVX2 inline __m256i block_dots_packed(const __m256i* w, const int8_t* xq)
   }
 }
 
+// A packed block's scales of its 8 rows as float32 lanes: d_w, and (Q4_1) m_w.
+template <int64_t QT>
+KVMESH_AVX2 inline void load_scales_packed(const uint8_t* blk, __m256& dw, __m256& mw) {
+  dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+  mw = _mm256_setzero_ps();
+  if constexpr (QT == kQ4_1) {
+    mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+  }
+}
+
+// acc (lane r: weight row r) + block b's integer sums `s` for activation row x,
+// scaled by d_w * d_x, and (Q4_1) the min term m_w * d_x * sum(q_x).
+template <int64_t QT>
+KVMESH_AVX2 inline __m256 add_block_packed(__m256 acc, __m256i s, __m256 dw, __m256 mw,
+                                           const PackedX& x, int64_t b) {
+  const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[b]));
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
+  if constexpr (QT == kQ4_1) {
+    float min_term;
+    std::memcpy(&min_term, &x.aux[b], sizeof(min_term));
+    acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(min_term), acc);
+  }
+  return acc;
+}
+
 // acc[m] (lane r: weight row r) += block b's products for MB activation rows.
 template <int64_t QT, int64_t MB>
 KVMESH_AVX2 void dot_group_packed(const uint8_t* group, int64_t num_blocks, const PackedX* xs,
@@ -469,11 +494,8 @@ KVMESH_AVX2 void dot_group_packed(const uint8_t* group, int64_t num_blocks, cons
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* blk = group + b * kPackRows * F::kBytes;
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-    __m256 mw = _mm256_setzero_ps();
-    if constexpr (QT == kQ4_1) {
-      mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
-    }
+    __m256 dw, mw;
+    load_scales_packed<QT>(blk, dw, mw);
     const uint8_t* qs = blk + kScaleBytes;
     __m256i w[8];
     for (int j = 0; j < (QT == kQ8_0 ? 8 : 4); ++j) {
@@ -488,13 +510,7 @@ KVMESH_AVX2 void dot_group_packed(const uint8_t* group, int64_t num_blocks, cons
     for (int64_t m = 0; m < MB; ++m) {
       __m256i s = block_dots_packed<QT>(w, xs[m].q + b * kBlock);
       if constexpr (QT == kQ4_0) s = _mm256_add_epi32(s, _mm256_set1_epi32(xs[m].aux[b]));
-      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xs[m].d[b]));
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[m]);
-      if constexpr (QT == kQ4_1) {
-        float min_term;
-        std::memcpy(&min_term, &xs[m].aux[b], sizeof(min_term));
-        acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(min_term), acc[m]);
-      }
+      acc[m] = add_block_packed<QT>(acc[m], s, dw, mw, xs[m], b);
     }
   }
 }
@@ -541,11 +557,8 @@ KVMESH_VNNI void dot_packed_vnni(const uint8_t* group, int64_t num_blocks, const
   constexpr int64_t kScaleBytes = kPackRows * F::kQs;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* blk = group + b * kPackRows * F::kBytes;
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-    __m256 mw = _mm256_setzero_ps();
-    if constexpr (QT == kQ4_1) {
-      mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
-    }
+    __m256 dw, mw;
+    load_scales_packed<QT>(blk, dw, mw);
     __m512i w[4];
     load_block_vnni<QT>(blk + kScaleBytes, w);
     for (int64_t m = 0; m < MB; ++m) {
@@ -561,13 +574,7 @@ KVMESH_VNNI void dot_packed_vnni(const uint8_t* group, int64_t num_blocks, const
       const __m512i s2 = _mm512_add_epi32(s0, s1);
       const __m256i s = _mm256_add_epi32(_mm512_castsi512_si256(s2),
                                          _mm512_extracti64x4_epi64(s2, 1));
-      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xs[m].d[b]));
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[m]);
-      if constexpr (QT == kQ4_1) {
-        float min_term;
-        std::memcpy(&min_term, &xs[m].aux[b], sizeof(min_term));
-        acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(min_term), acc[m]);
-      }
+      acc[m] = add_block_packed<QT>(acc[m], s, dw, mw, xs[m], b);
     }
   }
   for (int64_t m = 0; m < MB; ++m) _mm256_storeu_ps(out + m * kPackRows, acc[m]);
