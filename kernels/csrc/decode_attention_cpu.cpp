@@ -81,11 +81,6 @@ struct Shape {
   int64_t block_stride, token_stride;  // cache elements between blocks, between tokens
 };
 
-// Query heads [first, first + count) of one KV head's group.
-struct Heads {
-  int64_t first, count;
-};
-
 // The outputs of heads [first, first + NH), rescaled by `correction` and accumulated
 // over a block's `num_tokens` value rows weighted by `scores`, in registers (cheaper
 // than loading and storing the accumulators once per token). The heads
@@ -117,20 +112,21 @@ inline void accumulate_heads(int64_t first, const kv_t* values, int64_t token_st
   }
 }
 
-// accumulate_heads for up to kTile heads, the count known at compile time.
+// accumulate_heads for heads [first, first + count), count <= kTile, as a
+// compile-time count.
 template <int HEAD, int64_t kTile, typename kv_t>
-inline void accumulate_values(const Heads& heads, const kv_t* values, int64_t token_stride,
-                              int64_t num_tokens, const float (*scores)[kMaxBlockSize],
-                              const float* correction, float* acc) {
+inline void accumulate_values(int64_t first, int64_t count, const kv_t* values,
+                              int64_t token_stride, int64_t num_tokens,
+                              const float (*scores)[kMaxBlockSize], const float* correction,
+                              float* acc) {
   if constexpr (kTile > 1) {
-    if (heads.count < kTile) {
-      accumulate_values<HEAD, kTile - 1>(heads, values, token_stride, num_tokens, scores,
+    if (count < kTile) {
+      accumulate_values<HEAD, kTile - 1>(first, count, values, token_stride, num_tokens, scores,
                                          correction, acc);
       return;
     }
   }
-  accumulate_heads<HEAD, kTile>(heads.first, values, token_stride, num_tokens, scores,
-                                correction, acc);
+  accumulate_heads<HEAD, kTile>(first, values, token_stride, num_tokens, scores, correction, acc);
 }
 
 // Partial attention of one request over its blocks [block_begin, block_end): per
@@ -171,7 +167,7 @@ void attend_blocks(const Shape& s, const float* q, const kv_t* key_cache, const 
         }
       }
     }
-    alignas(64) float correction[kMaxHeads];
+    float correction[kMaxHeads];
     for (int64_t h = 0; h < s.num_heads; ++h) {
       float block_max = m[h];
       for (int64_t t = 0; t < num_tokens; ++t) block_max = std::max(block_max, scores[h][t]);
@@ -194,9 +190,8 @@ void attend_blocks(const Shape& s, const float* q, const kv_t* key_cache, const 
     for (int64_t kvh = 0; kvh < s.num_kv_heads; ++kvh) {
       const kv_t* values = value_cache + base + kvh * HEAD;
       for (int64_t h = kvh * s.group; h < (kvh + 1) * s.group; h += kTile) {
-        const Heads heads{h, std::min(kTile, (kvh + 1) * s.group - h)};
-        accumulate_values<HEAD, kTile>(heads, values, s.token_stride, num_tokens, scores,
-                                       correction, acc);
+        accumulate_values<HEAD, kTile>(h, std::min(kTile, (kvh + 1) * s.group - h), values,
+                                       s.token_stride, num_tokens, scores, correction, acc);
       }
     }
   }
