@@ -31,8 +31,9 @@ proto: $(PROTOS)
 model: install
 	$(PY) -m services.common.model_files
 
+# The slowest tests listed at the end: CI's run is meant to stay under 30 minutes.
 test: install model
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
