@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from kernels.argmax_cpu import argmax
 from services.common.engine import Logprobs
 from services.common.model_runner_output import RequestFailure
 from services.worker.sample.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
@@ -122,7 +123,7 @@ class Sampler(nn.Module):
         if md.all_random:
             assert md.temperature is not None
             return Sampler.sample_random(logits, md, md.temperature, nonfinite)
-        greedy = logits.argmax(dim=-1)
+        greedy = argmax(logits)
         if md.all_greedy:
             return greedy
         assert md.temperature is not None
