@@ -23,9 +23,15 @@ fixed length, so every microsecond above that wait is control plane. Tables:
     ``OMP_NUM_THREADS=1`` and with the default threads;
 (e) the default model in-process (``LLM.generate``), asynchronous scheduling
     against synchronous: what the offline default costs or gains on the CPU.
+(f) on a GPU, the real worker: (f1) its step times (decode batches of 1 to 256
+    at short and long context, and whole prefills) against the simulated
+    worker's default ``LatencyModel``, and the model fitted to them; (f2) the
+    default model's gRPC cluster against the in-process engine through
+    ``benchmarks/serve.py``.
 
     .venv/bin/python -m benchmarks.control_plane                 # tables (a) to (d)
     .venv/bin/python -m benchmarks.control_plane --tables a b    # some
+    .venv/bin/python -m benchmarks.control_plane --tables f      # on a GPU
 """
 
 from __future__ import annotations
@@ -337,6 +343,19 @@ def save_tiny_llama(directory: Path) -> Path:
     return directory
 
 
+def _serve(serve_args: list[str], env: dict[str, str] | None = None) -> dict[str, tuple[float, float]]:
+    """Runs ``benchmarks.serve`` (gRPC against in-process) in a fresh process;
+    {metric: (gRPC value, in-process value)} for throughput and TPOT."""
+    command = [sys.executable, "-m", "benchmarks.serve", *serve_args]
+    out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
+    values = {}
+    for line in out.splitlines():
+        if line.startswith(("output token throughput", "mean TPOT")):
+            name, grpc_value, local_value = line.rsplit(None, 2)
+            values[name.strip()] = (float(grpc_value), float(local_value))
+    return values
+
+
 def table_d(args: argparse.Namespace) -> None:
     model_dir = save_tiny_llama(Path(tempfile.mkdtemp(prefix="kvmesh-tiny-")))
     rows = []
@@ -345,15 +364,9 @@ def table_d(args: argparse.Namespace) -> None:
         env.pop("OMP_NUM_THREADS", None)
         if threads:
             env["OMP_NUM_THREADS"] = threads
-        command = [sys.executable, "-m", "benchmarks.serve", "--model", str(model_dir),
-                   "--num-prompts", "128", "--input-len", "64", "--output-len", "128",
-                   "--max-concurrency", "64", "--repeats", str(args.repeats)]
-        out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
-        values = {}
-        for line in out.splitlines():
-            if line.startswith(("output token throughput", "mean TPOT")):
-                name, grpc_value, local_value = line.rsplit(None, 2)
-                values[name.strip()] = (float(grpc_value), float(local_value))
+        values = _serve(["--model", str(model_dir), "--num-prompts", "128", "--input-len", "64",
+                         "--output-len", "128", "--max-concurrency", "64",
+                         "--repeats", str(args.repeats)], env)
         (grpc_tok_s, local_tok_s) = values["output token throughput (tok/s)"]
         (grpc_tpot, local_tpot) = values["mean TPOT (ms)"]
         rows.append([f"OMP_NUM_THREADS={threads}" if threads else "default threads",
@@ -392,17 +405,118 @@ def table_e(args: argparse.Namespace) -> None:
                   f"{best['async'] / best['sync']:.2f}"]])
 
 
+# ---------------------------------------------------------------- (f) the real worker on CUDA
+
+# Decode batches measured for the latency model, each at a short and a long prompt.
+_F_BATCHES = (1, 16, 64, 256)
+_F_PROMPT_LENS = (32, 1024)
+# Prefill steps measured: (requests, prompt tokens each), all in one step.
+_F_PREFILLS = ((1, 512), (4, 1024), (16, 1024))
+
+
+def _prefill_step_s(worker: Worker, scheduler: Scheduler, num_reqs: int, prompt_len: int,
+                    rng: random.Random) -> tuple[float, int, int]:
+    """(seconds, scheduled tokens, context tokens) of one step that prefills
+    ``num_reqs`` fresh random prompts whole; the requests then finish."""
+    from benchmarks.cudagraphs import engine_step
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for i in range(num_reqs):
+        prompt = [rng.randrange(*_TOKEN_IDS) for _ in range(prompt_len)]
+        scheduler.add_request(EngineCoreRequest(f"p{prompt_len}x{num_reqs}-{i}", prompt, params))
+    seconds, num_tokens = engine_step(scheduler, worker)
+    if num_tokens != num_reqs * prompt_len:  # a refused or split prefill would skew the fit
+        raise RuntimeError(f"the prefill step scheduled {num_tokens} tokens, not "
+                           f"{num_reqs} x {prompt_len}")
+    while scheduler.has_requests():
+        engine_step(scheduler, worker)
+    return seconds, num_tokens, num_tokens
+
+
+def latency_points(args: argparse.Namespace) -> list[tuple[int, int, float]]:
+    """(scheduled tokens, context tokens, measured ms) of real CUDA steps in the
+    worker's default graph mode: the decode batches at each prompt length, then
+    the prefills (the best of three, the first one warming up)."""
+    from benchmarks.cudagraphs import decode_worker, time_decode_steps
+
+    longest = max(_F_PROMPT_LENS + tuple(length for _, length in _F_PREFILLS))
+    sizing = argparse.Namespace(batch_sizes=list(_F_BATCHES), prompt_len=longest, warmup_steps=4,
+                                decode_steps=args.steps, dtype="bfloat16", device="cuda")
+    worker, scheduler = decode_worker(None, sizing, "FULL_AND_PIECEWISE")
+    rng = random.Random(5)
+    points = []
+    for prompt_len in _F_PROMPT_LENS:
+        timing = argparse.Namespace(**{**vars(sizing), "prompt_len": prompt_len})
+        # The timed steps' requests hold prompt + warm-up + about half the timed tokens.
+        per_request = prompt_len + timing.warmup_steps + args.steps // 2 + 1
+        for batch in _F_BATCHES:
+            ms = time_decode_steps(worker, scheduler, batch, timing, rng)
+            points.append((batch, batch * per_request, ms))
+    for num_reqs, prompt_len in _F_PREFILLS:
+        runs = [_prefill_step_s(worker, scheduler, num_reqs, prompt_len, rng) for _ in range(3)]
+        seconds, tokens, context = min(runs[1:])
+        points.append((tokens, context, seconds * 1e3))
+    return points
+
+
+def fit_latency_model(points: list[tuple[int, int, float]]) -> LatencyModel:
+    """Least squares of ms = base + tokens x per-token + context x per-context-token
+    (each coefficient clipped at zero, the range ``LatencyModel`` allows)."""
+    import numpy as np
+
+    a = np.array([[1.0, tokens * 1e-3, context * 1e-3] for tokens, context, _ in points])
+    b = np.array([ms for _, _, ms in points])
+    base_ms, us_per_token, us_per_context = np.linalg.lstsq(a, b, rcond=None)[0]
+    return LatencyModel(base_ms=max(float(base_ms), 0.0), us_per_token=max(float(us_per_token), 0.0),
+                        us_per_context_token=max(float(us_per_context), 0.0))
+
+
+def table_f(args: argparse.Namespace) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("(f) needs a CUDA device; skipped")
+        return
+    gpu = torch.cuda.get_device_name()
+    points = latency_points(args)
+    default, fitted = LatencyModel(), fit_latency_model(points)
+    rows = []
+    for tokens, context, ms in points:
+        model_ms = default.step_seconds(tokens, context) * 1e3
+        fit_ms = fitted.step_seconds(tokens, context) * 1e3
+        rows.append([str(tokens), f"{context:,}", f"{ms:.3f}", f"{model_ms:.3f}",
+                     f"{model_ms / ms:.2f}", f"{fit_ms:.3f}"])
+    print_table(f"(f1) real worker steps on {gpu} (SmolLM2-135M bfloat16, FULL_AND_PIECEWISE, "
+                f"execute_model to its output; decode medians of {args.steps} steps, prefill "
+                "best of 2) against the simulated worker's LatencyModel",
+                ["tokens", "context tokens", "measured ms", "default model ms", "default / measured",
+                 "fitted ms"], rows)
+    print(f"default: {default}\nfitted:  {fitted}", flush=True)
+    values = _serve(["--device", "cuda", "--num-prompts", "256", "--input-len", "128",
+                     "--output-len", "128", "--max-concurrency", "256",
+                     "--repeats", str(args.repeats)])
+    (grpc_tok_s, local_tok_s) = values["output token throughput (tok/s)"]
+    (grpc_tpot, local_tpot) = values["mean TPOT (ms)"]
+    print_table(f"(f2) SmolLM2-135M-Instruct on {gpu}: 256 prompts of 128 + 128 tokens, 256 "
+                f"concurrent, best of {args.repeats}",
+                ["in-process tok/s", "gRPC tok/s", "gRPC / in-process", "in-process TPOT ms",
+                 "gRPC TPOT ms"],
+                [[f"{local_tok_s:,.0f}", f"{grpc_tok_s:,.0f}", f"{grpc_tok_s / local_tok_s:.2f}",
+                  f"{local_tpot:.2f}", f"{grpc_tpot:.2f}"]])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tables", nargs="+", choices="abcde", default=list("abcd"))
+    p.add_argument("--tables", nargs="+", choices="abcdef", default=list("abcd"))
     p.add_argument("--steps", type=int, default=100, help="(a): timed decode steps per case")
     p.add_argument("--num-prompts", type=int, default=512, help="(b): requests per run")
     p.add_argument("--output-len", type=int, default=64, help="(b), (c): tokens per request")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="(c)")
     p.add_argument("--repeats", type=int, default=2, help="(d), (e): runs of each")
     args = p.parse_args()
-    tables = {"a": table_a, "b": table_b, "c": table_c, "d": table_d, "e": table_e}
+    tables = {"a": table_a, "b": table_b, "c": table_c, "d": table_d, "e": table_e,
+              "f": table_f}
     for name in args.tables:
         tables[name](args)
 

@@ -218,20 +218,20 @@ class LatencyModel:
 
     ``base_ms`` plus ``us_per_token`` per scheduled token plus
     ``us_per_context_token`` per token attention reads. The defaults are the
-    H100 SXM roofline for SmolLM2-135M in bfloat16:
-    - weights: 134.5 M parameters x 2 bytes = 269 MB, read once per step at
-      3.35 TB/s (HBM3) = 0.080 ms, the decode floor;
-    - per scheduled token: 2 x 134.5 M = 269 MFLOP at 989 TFLOP/s (dense
-      bfloat16) = 0.27 us;
-    - per context token: its K and V, 30 layers x 2 x 3 KV heads x 64 dims x
-      2 bytes = 23,040 bytes at 3.35 TB/s = 0.0069 us.
-    Real kernels reach perhaps half of these; benchmarks set ``base_ms``
-    (1, 2 or 5 ms steps).
+    real worker's decode steps on an H200 (SmolLM2-135M bfloat16,
+    FULL_AND_PIECEWISE graphs; ``benchmarks/control_plane.py --tables f``,
+    2026-11-28), fitted within 14% from batch 1 to 256 and context 53 to
+    267k tokens. The step is bound by fixed costs around the graph replay,
+    hence the large base. Prefill steps longer than the largest captured
+    graph run eagerly and take 2-3x what this model says. The H100 roofline
+    (0.080 ms of weight reads, 0.27 us a token, 0.0069 us a context token)
+    was the default before; it was 3 to 35 times faster than the real worker.
+    Benchmarks of the control plane set ``base_ms`` (1, 2 or 5 ms steps).
     """
 
-    base_ms: float = 0.080
-    us_per_token: float = 0.27
-    us_per_context_token: float = 0.0069
+    base_ms: float = 3.2
+    us_per_token: float = 1.8
+    us_per_context_token: float = 0.012
 
     def __post_init__(self) -> None:
         for name in ("base_ms", "us_per_token", "us_per_context_token"):

@@ -585,8 +585,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerServiceConfig, argp
                    help="no model: each step waits as the latency model says and samples "
                         "deterministic tokens (a control-plane measurement tool)")
     p.add_argument("--simulate-base-ms", type=float, default=latency.base_ms,
-                   help="simulated step time before per-token costs (default: the H100 "
-                        "roofline for SmolLM2)")
+                   help="simulated step time before per-token costs (default: the real "
+                        "worker's decode step on an H200, SmolLM2 bfloat16)")
     p.add_argument("--simulate-us-per-token", type=float, default=latency.us_per_token)
     p.add_argument("--simulate-us-per-context-token", type=float,
                    default=latency.us_per_context_token)
