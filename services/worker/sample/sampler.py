@@ -87,8 +87,7 @@ class Sampler(nn.Module):
             logits = proc.apply(logits)
         if not md.no_penalties:
             logits = self.apply_penalties(logits, md)
-        nonfinite = _nonfinite_rows(logits)
-        sampled = self.sample(logits, md, nonfinite)
+        sampled, nonfinite = self.sample(logits, md)
         logprobs_tensors = None
         if raw_logprobs is not None:
             assert md.max_num_logprobs is not None
@@ -118,14 +117,19 @@ class Sampler(nn.Module):
         )
 
     @staticmethod
-    def sample(logits: torch.Tensor, md: SamplingMetadata, nonfinite: torch.Tensor) -> torch.Tensor:
-        """Steps 6-10: int64 ``[num_reqs]`` token ids; flags random rows made non-finite."""
+    def sample(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps 6-10: int64 ``[num_reqs]`` token ids, and bool ``[num_reqs]``
+        flags of the rows whose logits are not finite where they are sampled."""
         if md.all_random:
             assert md.temperature is not None
-            return Sampler.sample_random(logits, md, md.temperature, nonfinite)
+            nonfinite = _nonfinite_rows(logits)
+            return Sampler.sample_random(logits, md, md.temperature, nonfinite), nonfinite
         greedy = argmax(logits)
+        # argmax lands on a row's first NaN, else on its maximum, so the value
+        # there is what _nonfinite_rows' max would be: no second pass.
+        nonfinite = ~torch.isfinite(logits.gather(-1, greedy[:, None]).squeeze(-1))
         if md.all_greedy:
-            return greedy
+            return greedy, nonfinite
         assert md.temperature is not None
         is_greedy = md.temperature < SAMPLING_EPS
         # Greedy rows divide by 1: their random sample is discarded anyway.
@@ -133,7 +137,7 @@ class Sampler(nn.Module):
         random_rows_nonfinite = torch.zeros_like(nonfinite)
         sampled = Sampler.sample_random(logits, md, temperature, random_rows_nonfinite)
         nonfinite |= random_rows_nonfinite & ~is_greedy
-        return torch.where(is_greedy, greedy, sampled)
+        return torch.where(is_greedy, greedy, sampled), nonfinite
 
     @staticmethod
     def sample_random(

@@ -296,17 +296,20 @@ def test_cpu_partial_top_p_matches_the_full_sort(scale: float, partial_suffices:
         assert torch.equal(fast[~fast.isinf()], logits[~fast.isinf()])
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_rows_whose_logits_are_not_finite_are_flagged_alone(temperature: float) -> None:
-    """A NaN, a +inf, or a row masked everywhere: the sample means nothing."""
-    state, _ = make_state([SamplingParams(temperature=temperature)] * 4, 4)
+@pytest.mark.parametrize("temperatures", [[0.0] * 4, [1.0] * 4, [0.0, 1.0, 0.0, 1.0],
+                                          [1.0, 0.0, 1.0, 0.0]],
+                         ids=["greedy", "random", "mixed", "mixed-other-rows"])
+def test_rows_whose_logits_are_not_finite_are_flagged_alone(temperatures: list[float]) -> None:
+    """A NaN, a +inf, or a row masked everywhere: the sample means nothing,
+    whether the row is greedy or random, in a batch of one kind or of both."""
+    state, _ = make_state([SamplingParams(temperature=t) for t in temperatures], 4)
     logits = torch.tensor([[0.0, 3.0, 1.0, 0.0],
-                           [0.0, float("nan"), 1.0, 0.0],
+                           [0.0, float("nan"), 1.0, float("inf")],
                            [0.0, float("inf"), 1.0, 0.0],
                            [float("-inf")] * 4])
     output = Sampler()(logits, state.make_sampling_metadata(4))
     assert output.nonfinite_rows.tolist() == [False, True, True, True]
-    if temperature == 0.0:
+    if temperatures[0] == 0.0:
         assert output.sampled_token_ids.tolist()[0] == 1
 
 
