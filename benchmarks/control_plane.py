@@ -441,7 +441,8 @@ def latency_points(args: argparse.Namespace) -> list[tuple[int, int, float]]:
 
     longest = max(_F_PROMPT_LENS + tuple(length for _, length in _F_PREFILLS))
     sizing = argparse.Namespace(batch_sizes=list(_F_BATCHES), prompt_len=longest, warmup_steps=4,
-                                decode_steps=args.steps, dtype="bfloat16", device="cuda")
+                                decode_steps=args.steps, dtype="bfloat16", device="cuda",
+                                compile_pieces=None)
     worker, scheduler = decode_worker(None, sizing, "FULL_AND_PIECEWISE")
     rng = random.Random(5)
     points = []

@@ -11,6 +11,8 @@ Two tables:
 
     .venv/bin/python benchmarks/cudagraphs.py
     .venv/bin/python benchmarks/cudagraphs.py --modes NONE,FULL_DECODE_ONLY --batch-sizes 1,64 --skip-e2e
+    # the pieces between attention calls compiled by inductor (fewer, fused kernels):
+    .venv/bin/python benchmarks/cudagraphs.py --modes FULL,FULL_AND_PIECEWISE --compile-pieces on --skip-e2e
     # CPU smoke run (graphs need CUDA, so only NONE):
     .venv/bin/python benchmarks/cudagraphs.py --device cpu --dtype float32 --modes NONE \\
         --batch-sizes 1,2 --num-seqs 4 --max-len 40
@@ -78,11 +80,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--compile-pieces", choices=("auto", "on", "off"), default="auto",
+                        help="torch.compile the forward pass between attention calls (the "
+                             "worker's compile_pieces; auto: its device default, off on CUDA)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile the timed steps at the smallest batch size in each mode "
                              "and print the ops that took the most host and device time")
     args = parser.parse_args()
     check_args(parser, args)
+    args.compile_pieces = {"auto": None, "on": True, "off": False}[args.compile_pieces]
     return args
 
 
@@ -139,6 +145,7 @@ def decode_worker(model_dir: str, args: argparse.Namespace, mode: str) -> tuple[
     config = WorkerConfig(
         model=model_dir, dtype=args.dtype, device=args.device, block_size=BLOCK_SIZE,
         num_kv_blocks=num_kv_blocks, limits=limits, cudagraph_mode=mode,
+        compile_pieces=args.compile_pieces,
     )
     worker = Worker(config)
     worker.load_model()
@@ -252,7 +259,7 @@ def kvmesh_tok_s(model_dir: str, workload: Workload, args: argparse.Namespace) -
     """Output tokens/s of ``LLM.generate`` on the workload (start-up and warm-up excluded)."""
     llm = LLM(model_dir, dtype=args.dtype, device=args.device, cudagraph_mode=args.e2e_mode,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=2 * args.max_len)
+              max_model_len=2 * args.max_len, compile_pieces=args.compile_pieces)
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n, detokenize=args.detokenize)
               for _, n in workload]
     llm.generate([list(range(100, 116))] * 2, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
