@@ -10,6 +10,7 @@ import torch
 
 from kernels import paged_attention, paged_attention_ref, paged_attention_triton
 from kernels.paged_attention import PagedAttentionPlan, plan_paged_attention
+from tests.cuda import needs_cuda
 
 TRITON_ON_CPU = pytest.param(paged_attention_triton, marks=pytest.mark.triton_cpu)
 
@@ -184,7 +185,7 @@ def test_dispatch_force_triton(monkeypatch):
     assert max_rel_error(forced, reference) < 1e-3
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lens", [DECODE_ONLY, PREFILL_ONLY, MIXED], ids=["decode", "prefill", "mixed"])
 @pytest.mark.parametrize("block_size", [16, 32])

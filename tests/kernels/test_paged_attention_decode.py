@@ -9,6 +9,7 @@ import torch
 
 from kernels import paged_attention_ref, paged_attention_triton
 from kernels._triton.paged_attention_decode import MAX_NUM_SPLITS, choose_num_splits, device_num_sms
+from tests.cuda import needs_cuda
 from tests.kernels.test_paged_attention import Batch, make_batch, max_rel_error
 
 # Decode batches: (q_lens, seq_lens). Long contexts span several 64-key tiles per split.
@@ -145,7 +146,7 @@ def _to(batch: Batch, device: str) -> Batch:
                                          if isinstance(getattr(batch, f.name), torch.Tensor)})
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 @pytest.mark.parametrize("num_splits", [1, 4, None], ids=["one-pass", "split-kv", "auto"])
 @pytest.mark.parametrize("lens", [LONG_DECODE, PADDED_DECODE], ids=["long", "padded"])
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -157,7 +158,7 @@ def test_cuda_bf16_decode_matches_reference(num_splits, lens, block_size):
     _check(out.cpu(), batch, 0.125, TOLERANCE[torch.bfloat16])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 @pytest.mark.parametrize("num_splits", [1, None], ids=["one-pass", "auto"])
 def test_cuda_graph_replays_new_seq_lens(num_splits):
     # Capture on one batch, then replay with other context lengths and queries written

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kernels import reshape_and_cache, reshape_and_cache_ref, reshape_and_cache_triton
+from tests.cuda import needs_cuda
 
 IMPLS = [reshape_and_cache_ref,
          pytest.param(reshape_and_cache_triton, marks=pytest.mark.triton_cpu)]
@@ -97,7 +98,7 @@ def test_dispatch_force_triton(monkeypatch):
     assert torch.equal(kv_cache, expected)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_matches_expected(dtype):
     kv_cache, key, value, slots = _case(50, 20, 16, 3, 64, dtype, seed=5)

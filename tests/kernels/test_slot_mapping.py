@@ -11,6 +11,7 @@ from kernels import (
     compute_slot_mapping_ref,
     compute_slot_mapping_triton,
 )
+from tests.cuda import needs_cuda
 
 IMPLS = [compute_slot_mapping_ref,
          pytest.param(compute_slot_mapping_triton, marks=pytest.mark.triton_cpu)]
@@ -98,7 +99,7 @@ def test_out_too_small_is_rejected():
         compute_slot_mapping_ref(*tables, 16, 1, 4, out=torch.empty(3, dtype=torch.int64))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 def test_cuda_matches_reference():
     tables = _batch([0, 40, 7, 300], [33, 1, 1, 64], 16, num_padding=6, seed=3)
     expected = compute_slot_mapping_ref(*tables, 16, 4, 99)

@@ -17,11 +17,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvmesh.offline import LLM, SamplingParams
 from services.common.sampling_params import StructuredOutputsParams
+from tests.cuda import CUDA_MARKS
 from tests.offline.test_spec_decode import GROUNDED, PARAGRAPH, SPEC, spec_stats
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    *CUDA_MARKS,
 ]
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from services.worker.kv_cache import KVCacheSpec, allocate_kv_caches, determine_num_blocks
+from tests.cuda import needs_cuda
 
 # SmolLM2-135M: 30 layers, 3 KV heads of 64.
 SMOLLM2_SPEC = KVCacheSpec(
@@ -47,7 +48,7 @@ def test_allocate_shapes():
         allocate_kv_caches(spec, num_blocks=1, device=torch.device("cpu"))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 def test_cuda_budget_uses_free_memory():
     free_bytes, _ = torch.cuda.mem_get_info()
     num_blocks = determine_num_blocks(SMOLLM2_SPEC, torch.device("cuda"), 0.5)

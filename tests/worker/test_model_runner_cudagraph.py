@@ -17,6 +17,7 @@ from services.common.limits import SchedulingLimits
 from services.worker.config import WorkerConfig
 from services.worker.cudagraph import CUDAGraphMode as M
 from services.worker.cudagraph import CudagraphDispatcher
+from tests.cuda import needs_cuda
 from tests.worker.helpers import (
     greedy_request,
     make_scheduler,
@@ -27,7 +28,6 @@ from tests.worker.helpers import (
 )
 
 SIZES = [1, 2, 4, 8, 16]
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import transformers
 from services.worker.attention import AttentionMetadata
 from services.worker.config import ModelConfig
 from services.worker.model_loader import load_model
+from tests.cuda import needs_cuda
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16
@@ -200,7 +201,7 @@ def test_triton_kernels_in_the_model(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert_matches_hf(hf_model, run_paged_schedule(model, config, token_ids), token_ids, atol=1e-4)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 @pytest.mark.parametrize("case", list(CASES))
 def test_paged_batch_on_cuda_matches_transformers(case: str, tmp_path: Path) -> None:
     config_cls, max_shard_size, overrides = CASES[case]

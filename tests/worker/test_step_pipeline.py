@@ -15,7 +15,6 @@ import time
 from concurrent.futures import Future
 
 import pytest
-import torch
 
 from kvmesh.offline.engine_core import EngineCore
 from services.common.limits import SchedulingLimits
@@ -26,6 +25,7 @@ from services.worker.config import LatencyModel, WorkerConfig
 from services.worker.step_events import DeadlineEvent
 from services.worker.step_pipeline import StepPipeline, next_submitted
 from services.worker.worker import MAX_CONSECUTIVE_FAILED_STEPS, Worker, WorkerStep
+from tests.cuda import CUDA_MARKS
 from tests.worker.helpers import (
     RunResult,
     greedy_request,
@@ -73,8 +73,7 @@ def run_overlapped(scheduler: Scheduler, worker: Worker, arrivals: list) -> tupl
 
 @pytest.mark.parametrize("device", [
     "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                  reason="needs a CUDA device")),
+    pytest.param("cuda", marks=CUDA_MARKS),
 ])
 def test_overlapped_steps_give_the_same_tokens_and_failures(tiny_model_dir, device):
     """Mixed prefill and decode, chunked prompts, preemption and poisoned requests

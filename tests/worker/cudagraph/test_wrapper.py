@@ -9,8 +9,8 @@ import torch
 from services.worker.cudagraph import CUDAGraphMode as M
 from services.worker.cudagraph import CUDAGraphWrapper
 from services.worker.forward_context import BatchDescriptor, ForwardContext
+from tests.cuda import needs_cuda
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 class Counting:

@@ -15,6 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 from services.common.sampling_params import SamplingParams
 from services.worker.sample import Sampler, SamplingState
+from tests.cuda import needs_cuda
 
 VOCAB = 64
 # Calls whose result the host must read from the device.
@@ -80,7 +81,7 @@ def test_sampler_common_path_has_no_host_sync_on_cpu():
     assert [len(tokens) for tokens in outputs] == [4] * len(params)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 def test_sampler_common_path_has_no_host_sync_on_cuda():
     params = _common_params(with_top_p=True)
     state, _ = _make_state(torch.device("cuda"), params)

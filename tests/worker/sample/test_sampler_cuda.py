@@ -7,8 +7,9 @@ import torch
 
 from services.common.sampling_params import SamplingParams
 from services.worker.sample import Sampler, SamplingState, ThinkingConfig
+from tests.cuda import CUDA_MARKS
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = list(CUDA_MARKS)
 
 VOCAB = 64
 THINKING = ThinkingConfig(think_start_token_ids=[60], think_end_token_ids=[61, 62])

@@ -20,7 +20,6 @@ from collections import deque
 
 import numpy as np
 import pytest
-import torch
 
 from services.common.engine import EngineCoreRequest, Logprobs
 from services.common.limits import SchedulingLimits
@@ -34,6 +33,7 @@ from services.scheduler.kv_store import InMemoryKVStore
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from services.worker.worker import Worker
+from tests.cuda import CUDA_MARKS
 from tests.worker.helpers import VOCAB_SIZE, make_worker, save_tiny_model
 
 LIMITS = SchedulingLimits(max_num_seqs=8, max_num_batched_tokens=48)
@@ -170,8 +170,7 @@ def references(engine: Engine, requests) -> dict[str, tuple[list[int], list[int]
             for r in requests}
 
 
-CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                    reason="needs a CUDA device"))
+CUDA = pytest.param("cuda", marks=CUDA_MARKS)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
