@@ -415,9 +415,9 @@ _F_PREFILLS = ((1, 512), (4, 1024), (16, 1024))
 
 
 def _prefill_step_s(worker: Worker, scheduler: Scheduler, num_reqs: int, prompt_len: int,
-                    rng: random.Random) -> tuple[float, int, int]:
-    """(seconds, scheduled tokens, context tokens) of one step that prefills
-    ``num_reqs`` fresh random prompts whole; the requests then finish."""
+                    rng: random.Random) -> float:
+    """Seconds of one step that prefills ``num_reqs`` fresh random prompts whole
+    (its scheduled tokens are its context tokens); the requests then finish."""
     from benchmarks.cudagraphs import engine_step
 
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -430,13 +430,16 @@ def _prefill_step_s(worker: Worker, scheduler: Scheduler, num_reqs: int, prompt_
                            f"{num_reqs} x {prompt_len}")
     while scheduler.has_requests():
         engine_step(scheduler, worker)
-    return seconds, num_tokens, num_tokens
+    return seconds
 
 
-def latency_points(args: argparse.Namespace) -> list[tuple[int, int, float]]:
-    """(scheduled tokens, context tokens, measured ms) of real CUDA steps in the
-    worker's default graph mode: the decode batches at each prompt length, then
-    the prefills (each the faster of two runs after one that warms up)."""
+Point = tuple[int, int, float]  # (scheduled tokens, context tokens, measured ms)
+
+
+def latency_points(args: argparse.Namespace) -> tuple[list[Point], list[Point]]:
+    """Real CUDA steps in the worker's default graph mode: (the decode batches at
+    each prompt length, the prefills, each the faster of two runs after one that
+    warms up)."""
     from benchmarks.cudagraphs import decode_worker, time_decode_steps
 
     longest = max(_F_PROMPT_LENS + tuple(length for _, length in _F_PREFILLS))
@@ -445,22 +448,22 @@ def latency_points(args: argparse.Namespace) -> list[tuple[int, int, float]]:
                                 compile_pieces=None)
     worker, scheduler = decode_worker(None, sizing, "FULL_AND_PIECEWISE")
     rng = random.Random(5)
-    points = []
+    decodes, prefills = [], []
     for prompt_len in _F_PROMPT_LENS:
         timing = argparse.Namespace(**{**vars(sizing), "prompt_len": prompt_len})
         # The timed steps' requests hold prompt + warm-up + about half the timed tokens.
         per_request = prompt_len + timing.warmup_steps + args.steps // 2 + 1
         for batch in _F_BATCHES:
             ms = time_decode_steps(worker, scheduler, batch, timing, rng)
-            points.append((batch, batch * per_request, ms))
+            decodes.append((batch, batch * per_request, ms))
     for num_reqs, prompt_len in _F_PREFILLS:
         runs = [_prefill_step_s(worker, scheduler, num_reqs, prompt_len, rng) for _ in range(3)]
-        seconds, tokens, context = min(runs[1:])
-        points.append((tokens, context, seconds * 1e3))
-    return points
+        tokens = num_reqs * prompt_len
+        prefills.append((tokens, tokens, min(runs[1:]) * 1e3))
+    return decodes, prefills
 
 
-def fit_latency_model(points: list[tuple[int, int, float]]) -> LatencyModel:
+def fit_latency_model(points: list[Point]) -> LatencyModel:
     """Least squares of ms = base + tokens x per-token + context x per-context-token
     (each coefficient clipped at zero, the range ``LatencyModel`` allows)."""
     import numpy as np
@@ -479,11 +482,11 @@ def table_f(args: argparse.Namespace) -> None:
         print("(f) needs a CUDA device; skipped")
         return
     gpu = torch.cuda.get_device_name()
-    points = latency_points(args)
-    num_decode = len(_F_BATCHES) * len(_F_PROMPT_LENS)
+    decodes, prefills = latency_points(args)
+    points = decodes + prefills
     default = LatencyModel()
     # Fitted to the decode steps alone (what the defaults are) and to every step.
-    fits = {"decode": fit_latency_model(points[:num_decode]), "all": fit_latency_model(points)}
+    fits = {"decode": fit_latency_model(decodes), "all": fit_latency_model(points)}
     rows = []
     for tokens, context, ms in points:
         model_ms = default.step_seconds(tokens, context) * 1e3
