@@ -37,6 +37,7 @@
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 
+#include "bf16_amx_linear.h"
 #include "row_groups.h"
 
 #include <algorithm>
@@ -321,24 +322,38 @@ at::Tensor onednn_packed_linear(const at::Tensor& x, const at::Tensor& packed_we
   return stack[0].toTensor();
 }
 
+// out plus bias, where there is one: added to a kernel's rounded output (one
+// rounding more than oneDNN's, for bfloat16 x).
+at::Tensor add_bias(at::Tensor out, const std::optional<at::Tensor>& bias) {
+  if (bias.has_value()) out.add_(*bias);
+  return out;
+}
+
+// The rows above a layer's max_rows: on packed_weight where the layer holds one,
+// laid out for kvmesh's AMX kernel (5-D, amx_pack's) or reordered for oneDNN (2-D),
+// else at::linear on the plain weight.
+at::Tensor above_max_rows(const at::Tensor& x, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias,
+                          const std::optional<at::Tensor>& packed_weight) {
+  if (!packed_weight.has_value()) return at::linear(x, weight, bias);
+#if defined(KVMESH_AMX)
+  if (packed_weight->dim() == 5) {
+    return add_bias(kvmesh::bf16_amx_linear_cpu(x, *packed_weight), bias);
+  }
+#endif
+  return onednn_packed_linear(x, *packed_weight, bias);
+}
+
 // A layer's op (services/worker/layers/bf16_linear.py): this kernel for up to
-// max_rows rows of x, where the worker measured it faster than oneDNN, and oneDNN
-// above: on packed_weight (the same weight reordered for oneDNN) where the layer
-// holds one, else at::linear on the plain weight. Choosing here rather than in
-// Python keeps the choice out of compiled graphs: they call this one op for every
-// batch size. A bias is added to this kernel's rounded output (one rounding more
-// than oneDNN's, for bfloat16 x).
+// max_rows rows of x, where the worker measured it faster than what runs above
+// (above_max_rows). Choosing here rather than in Python keeps the choice out of
+// compiled graphs: they call this one op for every batch size.
 at::Tensor bf16_linear_dispatch(const at::Tensor& x, const at::Tensor& weight,
                                 const std::optional<at::Tensor>& bias, int64_t max_rows,
                                 const std::optional<at::Tensor>& packed_weight) {
   TORCH_CHECK(x.dim() == 2, "x must be [M, K], got ", x.sizes());
-  if (x.size(0) > max_rows) {
-    return packed_weight.has_value() ? onednn_packed_linear(x, *packed_weight, bias)
-                                     : at::linear(x, weight, bias);
-  }
-  at::Tensor out = bf16_linear_cpu(x, weight, "auto");
-  if (bias.has_value()) out.add_(*bias);
-  return out;
+  if (x.size(0) > max_rows) return above_max_rows(x, weight, bias, packed_weight);
+  return add_bias(bf16_linear_cpu(x, weight, "auto"), bias);
 }
 
 // Output shapes for torch.compile's tracing (fake tensors run the Meta kernels).
