@@ -4,10 +4,10 @@ For each weight shape the worker runs (q/k/v and gate/up fused) and M rows of
 activations: microseconds per call and GB/s of weight read (the weight's bytes /
 time) for kvmesh's GGUF kernel (Q4_0, Q4_1, Q8_0; on the file's rows and on rows
 packed by eight, each on its AVX512-VNNI path where the CPU has one and on its AVX2
-path), kvmesh's bfloat16 kernel and its AMX kernel (on CPUs with AMX), torch's
-``F.linear`` in bfloat16 and float32
-(oneDNN), kvmesh's weight-only int8 kernel and its w8a8 kernel (int8 weights,
-activations quantized per token; VNNI and AVX2 paths). The table is what a dispatch
+path), kvmesh's bfloat16 kernel and its AMX kernel (CPUs with AMX only), torch's
+``F.linear`` in bfloat16 and float32 (oneDNN), kvmesh's weight-only int8 kernel and
+its w8a8 kernel (int8 weights, activations quantized per token; VNNI and AVX2
+paths). The table is what a dispatch
 choice (rows x instruction set -> kernel) reads.
 
 Decode streams the weights from memory (the model's blocks are bigger than the
@@ -19,14 +19,13 @@ machine's read bandwidth: ``Tensor.sum()`` over float32 twice the L3's size (at 
 (``linear_choice.last_level_cache_bytes``): 36 MiB on one Xeon, 300 MiB on another.
 
 Then the bfloat16 choice table (issue 24): for each bfloat16 weight shape the
-worker runs (q/k/v and gate/up fused), the time of kvmesh's kernel, of what
-``Bf16Linear`` may run above its threshold (kvmesh's AMX kernel where the CPU has
-AMX, oneDNN's prepacked linear) and of oneDNN on the plain weight (what it runs
-there where oneDNN has no native bfloat16) at 1 to 256 rows, measured as the
-worker measures them at start
+worker runs (q/k/v and gate/up fused), the time of kvmesh's kernel, oneDNN's
+prepacked linear (what ``Bf16Linear`` runs above its threshold) and oneDNN on the
+plain weight (what it runs there where oneDNN has no native bfloat16) at 1 to 256
+rows, measured as the worker measures them at start
 (``services/worker/layers/linear_choice.py``: fastest call, weights from memory,
-tall weights on 2,048 of their rows), the kernel chosen per row count, the
-threshold (``max_rows``) and the kernel above it. Then the layout the worker keeps GGUF weights in, per
+tall weights on 2,048 of their rows), the kernel chosen per row count and the
+threshold (``max_rows``). Then the layout the worker keeps GGUF weights in, per
 block type (``services/worker/layers/gguf_layout.py``: the file's rows or packed by
 eight, whichever was faster at one row). Then, for the default model quantized each
 way (int8, w8a8, gguf) in float32, the whole model's step of linear layers at 1 to 512
@@ -149,25 +148,27 @@ def candidates(out_features: int, in_features: int) -> dict[str, tuple[list, Cal
 
 def print_bf16_choice() -> None:
     """Per worker shape: us per call of each kernel at each row count, the kernel
-    chosen there, and the choice the worker would store."""
+    chosen there, and the threshold the worker would store."""
+    theirs = linear_choice.rival()
+    # Without native bfloat16 oneDNN packs no bfloat16 weight: plain is all it has.
+    kernels = (linear_choice.OURS, linear_choice.ONEDNN_PLAIN)
+    if theirs == linear_choice.ONEDNN:
+        kernels = (linear_choice.OURS, linear_choice.ONEDNN, linear_choice.ONEDNN_PLAIN)
     print(f"\nbfloat16 choice, {torch.get_num_threads()} threads: us per call (fastest of "
-          f"a few, weights from memory), chosen = {linear_choice.OURS} up to max_rows, the "
-          f"rival with the least geometric mean above")
+          f"a few, weights from memory), chosen = {linear_choice.OURS} up to max_rows")
     for name, (out_features, in_features) in WORKER_SHAPES.items():
-        rivals = linear_choice.rivals((out_features, in_features))
-        # Without native bfloat16 oneDNN packs no bfloat16 weight: plain is all it has.
-        kernels = tuple(dict.fromkeys((linear_choice.OURS, *rivals, linear_choice.ONEDNN_PLAIN)))
         timings = linear_choice.measure_row_timings(out_features, in_features, kernels=kernels,
-                                                    stop_at_first_loss=False)
-        above = linear_choice.choose_above(timings, rivals)
-        max_rows = linear_choice.choose_max_rows(timings, theirs=above)
+                                                    theirs=theirs, stop_at_first_loss=False)
+        max_rows = linear_choice.choose_max_rows(timings, theirs=theirs)
         rows_text = "any" if max_rows == UNBOUNDED_ROWS else str(max_rows)
         measured = min(out_features, linear_choice.MAX_MEASURED_OUT_FEATURES)
         print(f"\n{name} [{out_features} x {in_features}] (measured on {measured} rows): "
-              f"max_rows {rows_text}, {above} above")
+              f"max_rows {rows_text}")
         print(f"{'M':>4} " + "".join(f"{k:>18}" for k in kernels) + f"{'chosen':>18}")
+        # Above max_rows oneDNN runs on a prepacked weight where it can (a
+        # Bf16Linear's packed copy, or a PackedLinear), else on the plain one.
         for rows, by_kernel in timings.items():
-            chosen = linear_choice.OURS if rows <= max_rows else above
+            chosen = linear_choice.OURS if rows <= max_rows else theirs
             print(f"{rows:>4} " + "".join(f"{by_kernel[k] * 1e6:18.1f}" for k in kernels)
                   + f"{chosen:>18}", flush=True)
 

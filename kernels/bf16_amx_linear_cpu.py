@@ -4,12 +4,12 @@
 out once for the tiles (``amx_pack``) with ``tdpbf16ps``: float32 sums of exact
 products rounded once to bfloat16, as ``F.linear(x.float(), weight.float())`` up to
 summation order. It runs only on CPUs with AMX-BF16 (Sapphire Rapids and later
-Xeons), where Linux grants the process the tile state (``has_amx``). A bfloat16
-layer runs it above the row count up to which the one-row kernel
-(``kernels/bf16_linear_cpu.py``) wins, where the worker measured it faster than
-oneDNN's prepacked linear (``services/worker/layers/linear_choice.py``). On a Xeon with AMX (2 threads, weights from memory) it
-took 0.5-0.7x oneDNN's time at 4 to 32 rows, about the same at 64, and 0.8-1.2x at
-128 and 256 (benchmarks/RESULTS.md).
+Xeons), where Linux grants the process the tile state (``has_amx``). On a Xeon with
+AMX (2 threads, weights from memory) it took 0.5-0.7x the time of oneDNN's
+prepacked linear at 4 to 32 rows, about the same at 64, and 0.8-1.2x at 128 and
+256 (benchmarks/RESULTS.md). ``kvmesh::bf16_linear_dispatch`` runs it above a
+layer's ``max_rows`` when given its packed weight; the worker's layers do not use
+it yet (benchmarks/RESULTS.md says why).
 """
 
 from __future__ import annotations

@@ -12,11 +12,9 @@ import torch.nn.functional as F
 import transformers
 from torch._inductor.utils import fresh_cache, run_and_get_code
 
-from kernels.bf16_amx_linear_cpu import has_amx
 from kernels.cpu_extension import has_cpu_kernel
 from services.worker.compilation import compile_piece, cpp_compiler_available
-from services.worker.layers.bf16_linear import (AMX, ONEDNN, ONEDNN_PLAIN, UNBOUNDED_ROWS,
-                                                Bf16Choice, Bf16Linear)
+from services.worker.layers.bf16_linear import UNBOUNDED_ROWS, Bf16Linear
 from services.worker.layers.packed_linear import PackedLinear, can_pack, cpu_linear
 from services.worker.model_loader import load_model
 from tests.worker.test_models import save_tiny_hf_model
@@ -28,18 +26,13 @@ pytestmark = pytest.mark.skipif(not has_cpu_kernel("bf16_linear_dispatch"),
 NATIVE_BF16 = can_pack(torch.bfloat16, torch.device("cpu"))
 needs_native_bf16 = pytest.mark.skipif(not NATIVE_BF16,
                                        reason="oneDNN has no native bfloat16 on this CPU")
-needs_amx = pytest.mark.skipif(not has_amx(), reason="this CPU has no AMX-BF16 (lscpu flag "
-                               "amx_bf16), or Linux did not grant its tile state")
-# What runs above max_rows where oneDNN can pack, on this CPU.
-PACKED = ONEDNN if NATIVE_BF16 else ONEDNN_PLAIN
 IN_FEATURES, OUT_FEATURES = 96, 44
-AMX_OUT_FEATURES = 64  # the AMX kernel's weights are multiples of 32 both ways
 
 
-def _operands(num_rows: int, bias: bool, seed: int = 0, out_features: int = OUT_FEATURES):
+def _operands(num_rows: int, bias: bool, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    weight = torch.randn(out_features, IN_FEATURES, generator=gen).bfloat16()
-    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    weight = torch.randn(OUT_FEATURES, IN_FEATURES, generator=gen).bfloat16()
+    b = torch.randn(OUT_FEATURES, generator=gen).bfloat16() if bias else None
     return torch.randn(num_rows, IN_FEATURES, generator=gen).bfloat16(), weight, b
 
 
@@ -78,7 +71,7 @@ def test_above_the_threshold_a_packed_layer_runs_onednn_prepacked(bias: bool,
     """With a packed copy, rows above max_rows go to oneDNN's prepacked linear (bit for
     bit a PackedLinear's); rows up to it still to our kernel on the plain weight."""
     x, weight, b = _operands(num_rows, bias, seed=num_rows)
-    layer = Bf16Linear(weight, b, 4, above=ONEDNN)
+    layer = Bf16Linear(weight, b, 4, packed=True)
     out = layer(x)
     if num_rows <= 4:
         ours = torch.ops.kvmesh.bf16_linear_cpu(x, weight)
@@ -88,30 +81,12 @@ def test_above_the_threshold_a_packed_layer_runs_onednn_prepacked(bias: bool,
     _assert_close_to_float32(out, x, weight, b)
 
 
-@needs_amx
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("num_rows", [1, 4, 5, 33, 64])
-def test_above_the_threshold_an_amx_layer_runs_the_amx_kernel(bias: bool, num_rows: int) -> None:
-    """With the AMX copy, rows above max_rows go to kvmesh's AMX kernel on it (plus
-    the bias); rows up to it still to our one-row kernel on the plain weight."""
-    x, weight, b = _operands(num_rows, bias, seed=num_rows, out_features=AMX_OUT_FEATURES)
-    layer = Bf16Linear(weight, b, 4, above=AMX)
-    out = layer(x)
-    if num_rows <= 4:
-        ours = torch.ops.kvmesh.bf16_linear_cpu(x, weight)
-    else:
-        ours = torch.ops.kvmesh.bf16_amx_linear_cpu(x, layer.packed_weight)
-    assert torch.equal(out, ours if b is None else ours + b)
-    _assert_close_to_float32(out, x, weight, b)
-
-
-@pytest.mark.parametrize("num_rows", [3, 4, 5, 40])  # below, at and above max_rows
-@pytest.mark.parametrize("above", [ONEDNN_PLAIN, pytest.param(ONEDNN, marks=needs_native_bf16),
-                                   pytest.param(AMX, marks=needs_amx)])
-def test_nan_stays_in_its_row(num_rows: int, above: str) -> None:
-    x, weight, _ = _operands(num_rows, bias=False, seed=7, out_features=AMX_OUT_FEATURES)
+@pytest.mark.parametrize("num_rows", [3, 4, 5])  # below, at and above max_rows
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=needs_native_bf16)])
+def test_nan_stays_in_its_row(num_rows: int, packed: bool) -> None:
+    x, weight, _ = _operands(num_rows, bias=False, seed=7)
     x[1, 17] = float("nan")
-    out = Bf16Linear(weight, None, 4, above=above)(x)
+    out = Bf16Linear(weight, None, 4, packed=packed)(x)
     assert out[1].isnan().all()
     others = [i for i in range(num_rows) if i != 1]
     assert out[others].isfinite().all()
@@ -137,43 +112,28 @@ def test_refuses_what_it_cannot_serve() -> None:
         Bf16Linear(torch.zeros(4, 64), None, 1)
     with pytest.raises(ValueError, match=r"multiple of 32 .* got torch.bfloat16 \(4, 48\)"):
         Bf16Linear(torch.zeros(4, 48, dtype=torch.bfloat16), None, 1)
-    with pytest.raises(ValueError, match="max_rows must be >= 0, got -1"):
-        Bf16Linear(torch.zeros(4, 64, dtype=torch.bfloat16), None, -1)
-    with pytest.raises(ValueError, match="above must be one of .* got 'MKL'"):
-        Bf16Linear(torch.zeros(4, 64, dtype=torch.bfloat16), None, 1, above="MKL")
-    with pytest.raises(ValueError, match=r"kvmesh AMX needs .* multiples of 32, got \(40, 64\)"):
-        Bf16Linear(torch.zeros(40, 64, dtype=torch.bfloat16), None, 1, above=AMX)
+    with pytest.raises(ValueError, match="max_rows must be >= 1, got 0"):
+        Bf16Linear(torch.zeros(4, 64, dtype=torch.bfloat16), None, 0)
     if not NATIVE_BF16:
-        with pytest.raises(ValueError, match="oneDNN prepacked needs oneDNN's native bfloat16"):
-            Bf16Linear(torch.zeros(4, 64, dtype=torch.bfloat16), None, 1, above=ONEDNN)
+        with pytest.raises(ValueError, match="packed needs oneDNN's native bfloat16"):
+            Bf16Linear(torch.zeros(4, 64, dtype=torch.bfloat16), None, 1, packed=True)
 
 
 def test_cpu_linear_follows_the_table() -> None:
-    """Bfloat16 shapes with rows of our kernel get Bf16Linear, with a copy for the
-    rows above where they are not all ours (oneDNN's where oneDNN runs bfloat16
-    natively); 0 rows of ours and a shape not in the table get oneDNN's PackedLinear
-    where oneDNN runs bfloat16 natively, else None (nn.Linear stays); float32 gets
-    PackedLinear."""
+    """Bfloat16 shapes with rows of our kernel get Bf16Linear, with a prepacked copy
+    for oneDNN's rows where oneDNN runs bfloat16 natively and has rows; 0 rows and a
+    shape not in the table get oneDNN's PackedLinear where oneDNN runs bfloat16
+    natively, else None (nn.Linear stays); float32 gets PackedLinear."""
     weight = torch.zeros(8, 64, dtype=torch.bfloat16)
-    layer = cpu_linear(weight, None, {(8, 64): Bf16Choice(16, PACKED)})
+    layer = cpu_linear(weight, None, {(8, 64): 16})
     assert isinstance(layer, Bf16Linear) and layer.max_rows == 16
     assert (layer.packed_weight is not None) == NATIVE_BF16
-    layer = cpu_linear(weight, None, {(8, 64): Bf16Choice(UNBOUNDED_ROWS, PACKED)})
+    layer = cpu_linear(weight, None, {(8, 64): UNBOUNDED_ROWS})
     assert isinstance(layer, Bf16Linear) and layer.packed_weight is None
     unserved = PackedLinear if NATIVE_BF16 else type(None)
-    assert isinstance(cpu_linear(weight, None, {(8, 64): Bf16Choice(0, PACKED)}), unserved)
-    assert isinstance(cpu_linear(weight, None, {(8, 32): Bf16Choice(16, PACKED)}), unserved)
-    assert isinstance(cpu_linear(weight.float(), None, {(8, 64): Bf16Choice(16, PACKED)}),
-                      PackedLinear)
-
-
-@needs_amx
-def test_cpu_linear_gives_amx_its_rows_even_from_the_first() -> None:
-    weight = torch.zeros(32, 64, dtype=torch.bfloat16)
-    for max_rows in (0, 2):
-        layer = cpu_linear(weight, None, {(32, 64): Bf16Choice(max_rows, AMX)})
-        assert isinstance(layer, Bf16Linear) and layer.above == AMX
-        assert layer.max_rows == max_rows and layer.packed_weight.dim() == 5
+    assert isinstance(cpu_linear(weight, None, {(8, 64): 0}), unserved)
+    assert isinstance(cpu_linear(weight, None, {(8, 32): 16}), unserved)
+    assert isinstance(cpu_linear(weight.float(), None, {(8, 64): 16}), PackedLinear)
 
 
 @pytest.mark.parametrize("max_rows", [0, UNBOUNDED_ROWS])
@@ -185,9 +145,8 @@ def test_without_native_bf16_our_kernel_serves_or_nn_linear_stays(
     save_tiny_hf_model(tmp_path, transformers.LlamaConfig, tie_word_embeddings=False)
     monkeypatch.setattr("services.worker.layers.packed_linear.can_pack",
                         lambda dtype, device: dtype is not torch.bfloat16)
-    monkeypatch.setattr("services.worker.models.llama.bf16_choices_by_shape",
-                        lambda weights: {tuple(w.shape): Bf16Choice(max_rows, ONEDNN_PLAIN)
-                                         for w in weights})
+    monkeypatch.setattr("services.worker.models.llama.bf16_max_rows_by_shape",
+                        lambda weights: {tuple(w.shape): max_rows for w in weights})
     model, config = load_model(tmp_path, "bfloat16", "cpu")
     served = model.pack_weights_()
     layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
@@ -204,7 +163,7 @@ def test_compiled_graphs_choose_inside_one_op() -> None:
     copy where oneDNN has native bfloat16): no Python body, no graph break, no
     recompilation at the threshold."""
     _, weight, b = _operands(1, bias=True)
-    layer = Bf16Linear(weight, b, 4, above=PACKED)
+    layer = Bf16Linear(weight, b, 4, packed=NATIVE_BF16)
 
     def mlp(layer: Bf16Linear, x: torch.Tensor) -> torch.Tensor:
         return F.silu(layer(x)) * 2
@@ -223,16 +182,13 @@ def test_compiled_graphs_choose_inside_one_op() -> None:
     assert "torch.ops.kvmesh.bf16_linear_dispatch.default(" in code
 
 
-@pytest.mark.parametrize(("max_rows", "above"), [
-    (2, ONEDNN_PLAIN), (UNBOUNDED_ROWS, ONEDNN_PLAIN),  # the prefill on oneDNN, on ours
-    pytest.param(2, AMX, marks=needs_amx)])  # the prefill on the AMX kernel
+@pytest.mark.parametrize("max_rows", [2, UNBOUNDED_ROWS])  # the prefill on oneDNN, on ours
 def test_bf16_model_on_kvmesh_kernel_computes_the_same_logits(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_rows: int, above: str) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_rows: int) -> None:
     """Every bfloat16 linear and the tied head on Bf16Linear, as the table says."""
     save_tiny_hf_model(tmp_path, transformers.LlamaConfig, tie_word_embeddings=True)
-    monkeypatch.setattr("services.worker.models.llama.bf16_choices_by_shape",
-                        lambda weights: {tuple(w.shape): Bf16Choice(max_rows, above)
-                                         for w in weights})
+    monkeypatch.setattr("services.worker.models.llama.bf16_max_rows_by_shape",
+                        lambda weights: {tuple(w.shape): max_rows for w in weights})
     model, config = load_model(tmp_path, "bfloat16", "cpu")
     token_ids = list(range(3, 40))
     before = perplexity(model, config, token_ids)

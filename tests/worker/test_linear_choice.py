@@ -9,22 +9,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.bf16_amx_linear_cpu import has_amx
 from kernels.cpu_extension import has_cpu_kernel
 from services.worker.layers import linear_choice
-from services.worker.layers.bf16_linear import UNBOUNDED_ROWS, Bf16Choice
-from services.worker.layers.linear_choice import (AMX, ONEDNN, ONEDNN_PLAIN, OURS,
-                                                  bf16_choices_by_shape, choose_above,
-                                                  choose_max_rows, measure_row_timings, rivals)
+from services.worker.layers.bf16_linear import UNBOUNDED_ROWS
+from services.worker.layers.linear_choice import (ONEDNN, ONEDNN_PLAIN, OURS,
+                                                  bf16_max_rows_by_shape, choose_max_rows,
+                                                  measure_row_timings, rival)
 from services.worker.layers.packed_linear import can_pack
 
 needs_kernel = pytest.mark.skipif(not has_cpu_kernel("bf16_linear_dispatch"),
                                   reason="kvmesh's CPU kernels are built for AVX-512 and AVX2")
 
 
-# What ours is measured against here by default: oneDNN prepacked, or plain where
-# oneDNN has no native bfloat16 (AVX2-only CPUs).
-RIVAL = rivals((64, 64))[-1]
+# What ours is measured against here: oneDNN prepacked, or plain where oneDNN has no
+# native bfloat16 (AVX2-only CPUs).
+RIVAL = rival()
 
 
 def _timings(ours_us: dict[int, float], onednn_us: float = 100.0,
@@ -32,25 +31,8 @@ def _timings(ours_us: dict[int, float], onednn_us: float = 100.0,
     return {rows: {OURS: us * 1e-6, theirs: onednn_us * 1e-6} for rows, us in ours_us.items()}
 
 
-def test_the_rivals_are_what_runs_here() -> None:
-    """oneDNN (prepacked where it runs bfloat16 natively), and before it kvmesh's AMX
-    kernel where it runs and the shape is multiples of 32."""
-    onednn = ONEDNN if can_pack(torch.bfloat16, torch.device("cpu")) else ONEDNN_PLAIN
-    amx = (AMX,) if has_amx() and onednn == ONEDNN else ()
-    assert rivals((64, 96)) == (*amx, onednn)
-    assert rivals((40, 96)) == rivals((64, 100)) == (onednn,)
-
-
-@pytest.mark.parametrize(("amx_us", "expected"), [
-    ({1: 10, 64: 200, 256: 400}, ONEDNN),  # 800,000 against 600,000 us cubed
-    ({1: 10, 64: 150, 256: 350}, AMX),  # 525,000: ahead overall, though behind at 64 and 256
-    ({1: 20, 64: 100, 256: 300}, AMX),  # a tie goes to the first
-])
-def test_choose_above_weighs_each_count_alike(amx_us: dict[int, float], expected: str) -> None:
-    onednn_us = {1: 20, 64: 100, 256: 300}
-    timings = {rows: {AMX: amx_us[rows] * 1e-6, ONEDNN: onednn_us[rows] * 1e-6}
-               for rows in onednn_us}
-    assert choose_above(timings, (AMX, ONEDNN)) == expected
+def test_the_rival_is_what_onednn_runs_here() -> None:
+    assert RIVAL == (ONEDNN if can_pack(torch.bfloat16, torch.device("cpu")) else ONEDNN_PLAIN)
 
 
 @pytest.mark.parametrize(("ours_us", "expected"), [
@@ -87,7 +69,7 @@ def test_measurement_stops_after_a_confirmed_loss(monkeypatch: pytest.MonkeyPatc
 
 @needs_kernel
 def test_real_measurement_times_each_kernel() -> None:
-    kernels = {OURS, ONEDNN_PLAIN, *rivals((64, 64))}  # prepacked, AMX only where they run
+    kernels = {OURS, ONEDNN_PLAIN, RIVAL}  # oneDNN prepacked only where it runs bfloat16
     timings = measure_row_timings(64, 64, num_rows=(1, 3), kernels=kernels,
                                   stop_at_first_loss=False)
     assert sorted(timings) == [1, 3]
@@ -98,17 +80,14 @@ def test_real_measurement_times_each_kernel() -> None:
 @pytest.fixture
 def fake_measurement(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """A cache under ``tmp_path``; measurement replaced by one whose result is 8 rows
-    of ours, the first of the shape's rivals above, for every shape; returns the
-    shapes measured, in order."""
+    for every shape; returns the shapes measured, in order."""
     monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path))
     measured = []
 
     def fake_measure(out_features: int, in_features: int,
-                     stop_at_first_loss: bool = True) -> dict[int, dict[str, float]]:
+                     theirs: str | None = None) -> dict[int, dict[str, float]]:
         measured.append((out_features, in_features))
-        first, *others = rivals((out_features, in_features))
-        timings = _timings({1: 50, 8: 60, 16: 150}, theirs=first)
-        return {rows: {**t, **dict.fromkeys(others, 1.0)} for rows, t in timings.items()}
+        return _timings({1: 50, 8: 60, 16: 150}, theirs=RIVAL)
 
     monkeypatch.setattr(linear_choice, "measure_row_timings", fake_measure)
     return measured
@@ -121,49 +100,40 @@ def _weights(*shapes: tuple[int, int]) -> list[torch.Tensor]:
 @needs_kernel
 def test_each_shape_is_measured_once_then_read(fake_measurement: list) -> None:
     weights = _weights((64, 96), (32, 64), (64, 96))
-    first = rivals((64, 96))[0]
-    expected = {(32, 64): Bf16Choice(8, first), (64, 96): Bf16Choice(8, first)}
-    assert bf16_choices_by_shape(weights) == expected
+    assert bf16_max_rows_by_shape(weights) == {(32, 64): 8, (64, 96): 8}
     assert fake_measurement == [(32, 64), (64, 96)]  # one measurement per shape
-    assert bf16_choices_by_shape(weights) == expected
+    assert bf16_max_rows_by_shape(weights) == {(32, 64): 8, (64, 96): 8}
     assert len(fake_measurement) == 2  # the second time, from the files
     stored = json.loads((linear_choice.cache_dir() / "64x96.json").read_text())
-    assert stored["max_rows"] == 8 and stored["above"] == first
-    assert stored["timings_us"]["16"][OURS] == 150.0 and stored["timings_us"]["16"][first] == 100.0
+    assert stored["max_rows"] == 8 and stored["timings_us"]["16"] == {OURS: 150.0, RIVAL: 100.0}
 
 
 @needs_kernel
 def test_only_weights_the_kernel_serves_are_measured(fake_measurement: list) -> None:
     weights = [torch.empty(8, 64), torch.empty(8, 48, dtype=torch.bfloat16)]  # float32; K % 32
-    assert bf16_choices_by_shape(weights) == {}
+    assert bf16_max_rows_by_shape(weights) == {}
     assert fake_measurement == []
 
 
 @needs_kernel
 @pytest.mark.parametrize("content", ["{not json", '{"max_rows": -1}', '{"max_rows": "8"}',
-                                     '{"max_rows": true}', '["max_rows"]', "{}",
-                                     '{"max_rows": 8, "above": "MKL"}'])
+                                     '{"max_rows": true}', '["max_rows"]', "{}"])
 def test_a_bad_cache_file_is_measured_anew(fake_measurement: list, content: str) -> None:
     path = linear_choice.cache_dir() / "32x64.json"
     path.parent.mkdir(parents=True)
     path.write_text(content)
-    expected = Bf16Choice(8, rivals((32, 64))[0])
-    assert bf16_choices_by_shape(_weights((32, 64))) == {(32, 64): expected}
+    assert bf16_max_rows_by_shape(_weights((32, 64))) == {(32, 64): 8}
     assert fake_measurement == [(32, 64)]
     assert json.loads(path.read_text())["max_rows"] == 8  # replaced
 
 
 @needs_kernel
 def test_an_edited_cache_file_overrides_the_choice(fake_measurement: list) -> None:
-    """0 rows in the file and no kernel above: oneDNN only for that shape on this
-    machine, unmeasured; a kernel above named in the file is kept."""
+    """0 rows in the file: oneDNN only for that shape on this machine, unmeasured."""
     path = linear_choice.cache_dir() / "32x64.json"
     path.parent.mkdir(parents=True)
     path.write_text('{"max_rows": 0}')
-    assert bf16_choices_by_shape(_weights((32, 64))) == {(32, 64): Bf16Choice(0, RIVAL)}
-    first = rivals((32, 64))[0]
-    path.write_text(json.dumps({"max_rows": 2, "above": first}))
-    assert bf16_choices_by_shape(_weights((32, 64))) == {(32, 64): Bf16Choice(2, first)}
+    assert bf16_max_rows_by_shape(_weights((32, 64))) == {(32, 64): 0}
     assert fake_measurement == []
 
 

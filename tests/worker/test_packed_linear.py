@@ -85,7 +85,7 @@ def test_packed_model_computes_the_same_logits(tmp_path: Path, dtype: torch.dtyp
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Every float linear and the tied head packed; an int8 model keeps its int8 layers.
     Bfloat16 shapes measured in oneDNN's favour (test_bf16_linear.py has the others)."""
-    monkeypatch.setattr("services.worker.models.llama.bf16_choices_by_shape",
+    monkeypatch.setattr("services.worker.models.llama.bf16_max_rows_by_shape",
                         lambda weights: {})
     save_tiny_hf_model(tmp_path, transformers.LlamaConfig, tie_word_embeddings=True)
     dtype_name = str(dtype).removeprefix("torch.")

@@ -19,16 +19,11 @@ SmolLM2-135M: 0.55-0.7x oneDNN's time at one row, 0.25-0.5x at 2 to 256 rows
 AMX and AVX512-BF16 (2 threads) ours won at 1 and 2 rows (0.55-0.8x oneDNN's
 prepacked time at one) and oneDNN from 4 or 8 rows on.
 
-Where AMX runs, two kernels may take the rows above ``max_rows`` (``rivals``):
-kvmesh's AMX kernel and oneDNN's prepacked linear. Both are then timed at every
-row count, and the one with the lesser geometric mean of its times takes them
-(``choose_above``); ours is weighed against it.
-
 A machine's tables are cached under the kvmesh cache directory, keyed by the CPU
 (model name and flags), the threads, torch's version and the kernel's source, so
 a restart does not measure again; a file that cannot be read or does not hold a
-table is measured anew and replaced. Editing a file's ``max_rows`` (0: the other
-kernel only) or ``above`` overrides the choice on that machine.
+table is measured anew and replaced. Editing a file's ``max_rows`` (0: oneDNN
+only) overrides the choice on that machine.
 """
 
 from __future__ import annotations
@@ -37,28 +32,25 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from kernels.bf16_amx_linear_cpu import AMX_MULTIPLE, amx_pack, has_amx
 from kernels.cpu_extension import BUILD_INPUTS
 from services.common.model_files import cache_root
-from services.worker.layers.bf16_linear import (AMX, ONEDNN, ONEDNN_PLAIN, UNBOUNDED_ROWS,
-                                                Bf16Choice, can_use_bf16_kernel)
+from services.worker.layers.bf16_linear import UNBOUNDED_ROWS, can_use_bf16_kernel
 from services.worker.layers.packed_linear import can_pack
 
 logger = logging.getLogger(__name__)
 
 NUM_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-OURS = "kvmesh"
+OURS, ONEDNN, ONEDNN_PLAIN = "kvmesh", "oneDNN prepacked", "oneDNN plain"
 # Weights taller than this are measured on this many rows of theirs (the LM head's
 # 49,152): per weight row both kernels do the same work, and the whole head at 256
 # rows would take seconds of the worker's start.
@@ -72,8 +64,7 @@ _CACHE_VERSION = 1
 @dataclasses.dataclass(slots=True)
 class WeightCopies:
     """Copies of one random bfloat16 weight: plain ones that together fill the
-    last-level cache, as many laid out for the AMX kernel where it runs, and up to
-    ``MAX_PACKED_COPIES`` prepacked for oneDNN.
+    last-level cache, and up to ``MAX_PACKED_COPIES`` prepacked for oneDNN.
 
     ``next_index`` walks them round-robin, so that a plain copy comes back to our
     kernel only after twice the cache has been read: from memory, as in a decode
@@ -85,7 +76,6 @@ class WeightCopies:
 
     plain: list[torch.Tensor]
     packed: list[torch.Tensor]
-    amx: list[torch.Tensor]
     cursor: int = 0
 
     @classmethod
@@ -97,41 +87,29 @@ class WeightCopies:
         plain = list(weight.expand(num_copies, out_features, in_features).contiguous())
         packed = ([torch.ops.mkldnn._reorder_linear_weight(w) for w in plain[:MAX_PACKED_COPIES]]
                   if can_pack(torch.bfloat16, weight.device) else [])
-        amx = [amx_pack(w) for w in plain] if AMX in rivals(weight.shape) else []
-        return cls(plain, packed, amx)
+        return cls(plain, packed)
 
     def next_index(self) -> int:
         self.cursor += 1
         return self.cursor
 
 
-# Kernel name -> call(x, copies, index): ours and what may run above max_rows.
+# Kernel name -> call(x, copies, index). The worker weighs the first two; the
+# benchmark adds oneDNN on the plain weight, what Bf16Linear runs above max_rows.
 KERNELS: dict[str, Callable[[torch.Tensor, WeightCopies, int], torch.Tensor]] = {
     OURS: lambda x, w, i: torch.ops.kvmesh.bf16_linear_cpu(x, w.plain[i % len(w.plain)]),
     ONEDNN: lambda x, w, i: torch.ops.mkldnn._linear_pointwise(x, w.packed[i % len(w.packed)],
                                                                None, "none", [], ""),
     ONEDNN_PLAIN: lambda x, w, i: F.linear(x, w.plain[i % len(w.plain)]),
-    AMX: lambda x, w, i: torch.ops.kvmesh.bf16_amx_linear_cpu(x, w.amx[i % len(w.amx)]),
 }
 
 
-def rivals(shape: Sequence[int]) -> tuple[str, ...]:
-    """What may run a weight of ``shape``'s rows above ``max_rows``, measured against
-    each other and against ours: kvmesh's AMX kernel and oneDNN's prepacked linear
-    where both run (CPUs with AMX), else oneDNN's prepacked linear where oneDNN has
-    native bfloat16, else ``F.linear`` on the plain weight (AVX2-only CPUs, where
-    ours won 3-5x from 8 rows on and tied at one). oneDNN's comes last."""
-    if not can_pack(torch.bfloat16, torch.device("cpu")):
-        return (ONEDNN_PLAIN,)
-    if all(n % AMX_MULTIPLE == 0 for n in shape) and has_amx():
-        return (AMX, ONEDNN)
-    return (ONEDNN,)
-
-
-def choose_above(timings: Mapping[int, Mapping[str, float]], candidates: Sequence[str]) -> str:
-    """The candidate with the least geometric mean of its time over the row counts
-    measured: each count weighs alike, whatever its product's size."""
-    return min(candidates, key=lambda name: sum(math.log(t[name]) for t in timings.values()))
+def rival() -> str:
+    """What our kernel is measured against, and what ``Bf16Linear`` runs above its
+    ``max_rows``: oneDNN's prepacked linear where oneDNN has native bfloat16, else
+    ``F.linear`` on the plain weight (AVX2-only CPUs, where ours won 3-5x from 8
+    rows on and tied at one)."""
+    return ONEDNN if can_pack(torch.bfloat16, torch.device("cpu")) else ONEDNN_PLAIN
 
 
 def last_level_cache_bytes() -> int:
@@ -204,11 +182,10 @@ def measure_row_timings(out_features: int, in_features: int, num_rows: Iterable[
     """rows -> kernel -> seconds of its fastest call (``time_rows``) for an
     [out_features, in_features] bfloat16 weight (at most
     ``MAX_MEASURED_OUT_FEATURES`` rows of it), with the threads torch has now,
-    measured as ``measure_rows`` says against ``theirs`` (default: oneDNN's, the
-    last of ``rivals``); ``kernels`` defaults to ours and the shape's ``rivals``."""
-    candidates = rivals((out_features, in_features))
-    theirs = theirs or candidates[-1]
-    kernels = tuple(kernels or (OURS, *candidates))
+    measured as ``measure_rows`` says against ``theirs`` (default: ``rival()``);
+    ``kernels`` defaults to ours and theirs."""
+    theirs = theirs or rival()
+    kernels = tuple(kernels or (OURS, theirs))
     with torch.no_grad():
         copies = WeightCopies.make(min(out_features, MAX_MEASURED_OUT_FEATURES), in_features)
         return measure_rows(num_rows, lambda rows: time_rows(copies, rows, kernels),
@@ -296,60 +273,36 @@ def load_max_rows(path: Path) -> int | None:
     return load_choice(path, "max_rows", lambda v: type(v) is int and v >= 0)
 
 
-def store_max_rows(path: Path, max_rows: int, timings: Mapping[int, Mapping[str, float]],
-                   **extra: object) -> None:
-    """``store_choice`` of ``max_rows``, anything ``extra`` and the timings, in us."""
+def store_max_rows(path: Path, max_rows: int, timings: Mapping[int, Mapping[str, float]]) -> None:
+    """``store_choice`` of ``max_rows`` and its timings, in us."""
     timings_us = {rows: {name: round(s * 1e6, 1) for name, s in by_kernel.items()}
                   for rows, by_kernel in timings.items()}
-    store_choice(path, {"max_rows": max_rows, **extra, "timings_us": timings_us})
+    store_choice(path, {"max_rows": max_rows, "timings_us": timings_us})
 
 
-def load_bf16_choice(path: Path, shape: tuple[int, int]) -> Bf16Choice | None:
-    """The choice stored in ``path`` (``load_max_rows``); its ``above`` must be one of
-    the shape's ``rivals`` here, and a file without one means oneDNN's (the last)."""
-    max_rows = load_max_rows(path)
-    if max_rows is None:
-        return None
-    candidates = rivals(shape)
-    above = json.loads(path.read_text()).get("above", candidates[-1])  # a dict: read above
-    if above not in candidates:
-        logger.warning("event=linear_choice_cache_unreadable path=%s above=%r", path, above)
-        return None
-    return Bf16Choice(max_rows, above)
-
-
-def measure_bf16_choice(shape: tuple[int, int]) -> tuple[Bf16Choice, dict[int, dict[str, float]]]:
-    """Measures ours and the shape's ``rivals`` (every row count where there are two
-    to weigh against each other); returns the choice and its timings."""
-    candidates = rivals(shape)
-    timings = measure_row_timings(*shape, stop_at_first_loss=len(candidates) == 1)
-    above = choose_above(timings, candidates)
-    return Bf16Choice(choose_max_rows(timings, theirs=above), above), timings
-
-
-def bf16_choices_by_shape(weights: Iterable[torch.Tensor]) -> dict[tuple[int, int], Bf16Choice]:
-    """Shape -> ``Bf16Choice`` for each distinct shape among ``weights`` that
+def bf16_max_rows_by_shape(weights: Iterable[torch.Tensor]) -> dict[tuple[int, int], int]:
+    """Shape -> ``max_rows`` for each distinct shape among ``weights`` that
     ``Bf16Linear`` can serve (others are left out: all of them without the C++
     kernels).
 
     Read from this machine's cache; a shape not in it is measured (SmolLM2-135M's
-    five took ~1 s on the benchmark machine, a few more where AMX and oneDNN are
-    both timed at every row count) and stored.
+    five took ~1 s on the benchmark machine) and stored.
     """
     shapes = sorted({tuple(w.shape) for w in weights if can_use_bf16_kernel(w)})
     if not shapes:
         return {}
     directory = cache_dir()
+    theirs = rival()
     table = {}
     for shape in shapes:
         path = _cache_file(directory, shape)
-        choice = load_bf16_choice(path, shape)
-        if choice is None:
+        max_rows = load_max_rows(path)
+        if max_rows is None:
             start = time.perf_counter()
-            choice, timings = measure_bf16_choice(shape)
-            store_max_rows(path, choice.max_rows, timings, above=choice.above)
-            logger.info("event=linear_choice_measured shape=%s max_rows=%d above=%r seconds=%.2f "
-                        "path=%s", shape, choice.max_rows, choice.above,
-                        time.perf_counter() - start, path)
-        table[shape] = choice
+            timings = measure_row_timings(*shape, theirs=theirs)
+            max_rows = choose_max_rows(timings, theirs=theirs)
+            store_max_rows(path, max_rows, timings)
+            logger.info("event=linear_choice_measured shape=%s max_rows=%d seconds=%.2f path=%s",
+                        shape, max_rows, time.perf_counter() - start, path)
+        table[shape] = max_rows
     return table

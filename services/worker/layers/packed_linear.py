@@ -24,8 +24,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from services.worker.layers.bf16_linear import (AMX, ONEDNN_PLAIN, UNBOUNDED_ROWS, Bf16Choice,
-                                                Bf16Linear)
+from services.worker.layers.bf16_linear import UNBOUNDED_ROWS, Bf16Linear
 
 # The dtypes oneDNN's prepacked linear serves; float16 layers keep nn.Linear.
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -100,36 +99,36 @@ class PackedLinear(nn.Module):
 
 
 def cpu_linear(weight: torch.Tensor, bias: torch.Tensor | None,
-               bf16_choices: Mapping[tuple[int, int], Bf16Choice]) -> nn.Module | None:
+               bf16_max_rows: Mapping[tuple[int, int], int]) -> nn.Module | None:
     """The CPU layer for a weight: a ``Bf16Linear`` where the weight is bfloat16 and
-    ``bf16_choices`` (shape -> choice, from ``linear_choice.bf16_choices_by_shape``)
-    gives its shape at least one row of kvmesh's kernel or kvmesh's AMX kernel above
-    it (with a copy of the weight for the rows above, unless ours serves them all),
-    else a ``PackedLinear`` where it ``can_pack``, else None (``nn.Linear`` serves it
-    as well as anything).
+    ``bf16_max_rows`` (shape -> rows, from ``linear_choice.bf16_max_rows_by_shape``)
+    gives its shape at least one row of kvmesh's kernel (with a prepacked copy for
+    oneDNN's rows where it ``can_pack`` and they are not none), else a
+    ``PackedLinear`` where it ``can_pack``, else None (``nn.Linear`` serves it as
+    well as anything).
 
     Where oneDNN has no native bfloat16 (AVX2-only CPUs) a bfloat16 weight is never
     packed, but kvmesh's kernel still serves it up to its measured row count.
     """
-    choice = bf16_choices.get(tuple(weight.shape)) if weight.dtype is torch.bfloat16 else None
-    if choice is not None and (choice.max_rows > 0 or choice.above == AMX):
-        above = ONEDNN_PLAIN if choice.max_rows == UNBOUNDED_ROWS else choice.above
-        return Bf16Linear(weight, bias, choice.max_rows, above)
-    return PackedLinear(weight, bias) if can_pack(weight.dtype, weight.device) else None
+    max_rows = bf16_max_rows.get(tuple(weight.shape), 0) if weight.dtype is torch.bfloat16 else 0
+    packable = can_pack(weight.dtype, weight.device)
+    if max_rows > 0:
+        return Bf16Linear(weight, bias, max_rows, packed=packable and max_rows != UNBOUNDED_ROWS)
+    return PackedLinear(weight, bias) if packable else None
 
 
 def pack_linears_(module: nn.Module,
-                  bf16_choices: Mapping[tuple[int, int], Bf16Choice] | None = None) -> int:
+                  bf16_max_rows: Mapping[tuple[int, int], int] | None = None) -> int:
     """Replaces every ``nn.Linear`` inside ``module`` that has a ``cpu_linear`` with it
-    (a ``PackedLinear`` wherever it ``can_pack``, without ``bf16_choices``);
+    (a ``PackedLinear`` wherever it ``can_pack``, without ``bf16_max_rows``);
     returns how many were replaced."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            layer = cpu_linear(child.weight, child.bias, bf16_choices or {})
+            layer = cpu_linear(child.weight, child.bias, bf16_max_rows or {})
             if layer is not None:
                 setattr(module, name, layer)
                 count += 1
         else:
-            count += pack_linears_(child, bf16_choices)
+            count += pack_linears_(child, bf16_max_rows)
     return count

@@ -26,7 +26,7 @@ from services.worker.gguf_weights import QuantizedWeight, fuse_quantized
 from services.worker.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_emb
 from services.worker.layers.bf16_linear import Bf16Linear
 from services.worker.layers.gguf_linear import GGUFLinear
-from services.worker.layers.linear_choice import bf16_choices_by_shape
+from services.worker.layers.linear_choice import bf16_max_rows_by_shape
 from services.worker.layers.packed_linear import PackedLinear, cpu_linear, pack_linears_
 from services.worker.layers.quantization import Int8Linear, quantize_linears_int8
 from services.worker.layers.quantized_choice import set_kernel_max_rows_
@@ -371,7 +371,7 @@ class LlamaForCausalLM(nn.Module):
         no longer be loaded into, cast or read. A tied head gets its own packed
         copy of the embedding (the lookup keeps the plain table), or shares the
         table as a ``Bf16Linear``. Measures each new bfloat16 shape (~1 s for
-        SmolLM2-135M's five), once per machine (``bf16_choices_by_shape``).
+        SmolLM2-135M's five), once per machine (``bf16_max_rows_by_shape``).
         Quantized layers keep their weights and get the row count up to which
         their kernel serves, measured once per machine and model
         (``set_kernel_max_rows_``).
@@ -380,9 +380,9 @@ class LlamaForCausalLM(nn.Module):
         head = self.lm_head
         heads = [head] if isinstance(head, (nn.Linear, nn.Embedding)) else []
         linears = [m for m in self.model.modules() if isinstance(m, nn.Linear)] + heads
-        bf16_choices = bf16_choices_by_shape(m.weight for m in linears)
-        count = pack_linears_(self.model, bf16_choices)
-        layer = cpu_linear(head.weight, getattr(head, "bias", None), bf16_choices) if heads else None
+        bf16_max_rows = bf16_max_rows_by_shape(m.weight for m in linears)
+        count = pack_linears_(self.model, bf16_max_rows)
+        layer = cpu_linear(head.weight, getattr(head, "bias", None), bf16_max_rows) if heads else None
         if layer is not None:
             self.lm_head = layer
             count += 1
