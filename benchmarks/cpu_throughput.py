@@ -8,7 +8,7 @@ Tables, every system measured in the same process and the same run:
     default model's own GGUF, Q4_1, 2 threads; single stream only), vLLM's CPU build
     bfloat16 / float32 (issue 24: its own venv ``.venv-vllm``, one process per dtype
     after the others, its repeats inside it; see ``benchmarks/peers/vllm_cpu.py``),
-    all on the same token-id prompts;
+    all on the same token-id prompts; kvmesh's prefix caching is off, as vLLM's;
   * prefill tok/s of one 1,000-token prompt: kvmesh's step against transformers'
     forward pass at the same dtype, and llama.cpp's prompt evaluation;
   * per-layer decode attention at contexts 128 / 1,024 / 4,096 (batch 1 and 64):
@@ -63,11 +63,16 @@ PREFILL_LEN = 1000
 
 
 # ------------------------------------------------------------------ generation
-def make_kvmesh(dtype: str, quantization: str | None, max_num_seqs: int) -> EngineCore:
+def make_kvmesh(dtype: str, quantization: str | None, max_num_seqs: int,
+                prefix_caching: bool = False) -> EngineCore:
+    """The offline engine as every table here measures it. Prefix caching is off by
+    default, as the vLLM runner builds vLLM: the repeats send the same prompts again,
+    and cache hits would spare kvmesh prefill work that its peers do."""
     limits = SchedulingLimits(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
     config = WorkerConfig(dtype=dtype, quantization=quantization, kv_cache_gib=1.0,
                           limits=limits, max_model_len=2048)
-    return EngineCore.create(config, SchedulingOptions(limits=limits))
+    options = SchedulingOptions(limits=limits, enable_prefix_caching=prefix_caching)
+    return EngineCore.create(config, options)
 
 
 def kvmesh_tok_s(engine: EngineCore, prompts: list[list[int]], output_len: int, tag: str) -> float:
