@@ -8,6 +8,7 @@ token-id prompts; the table gives every round's figures, their medians and the
 ratio of the medians::
 
     .venv/bin/python -m benchmarks.cpu_in_turns --rounds 3 --dtype bfloat16
+    .venv/bin/python -m benchmarks.cpu_in_turns --rounds 3 --quantization w8a8
 
 Both sides speak the runner's protocol: a JSON spec on stdin, one JSON line with
 ``startup_s``, ``single_tok_s`` and ``batched_tok_s`` (one value per repeat) on
@@ -40,7 +41,7 @@ def kvmesh_child() -> None:
     spec = json.load(sys.stdin)
     torch.set_num_threads(spec["threads"])
     singles, batch, output_len = spec["single_prompts"], spec["batch_prompts"], spec["output_len"]
-    engine = make_kvmesh(spec["dtype"], None, len(batch), prefix_caching=False)
+    engine = make_kvmesh(spec["dtype"], spec["quantization"], len(batch), prefix_caching=False)
     startup_s = time.perf_counter() - _START_S
     kvmesh_tok_s(engine, singles[:1], 4, "warm-single-")
     kvmesh_tok_s(engine, batch, 4, "warm-batch-")
@@ -91,6 +92,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2, help="runs of each kind per process")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--quantization", choices=["int8", "w8a8", "gguf"], default=None,
+                        help="kvmesh's weights (vLLM's stay in --dtype)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--num-single", type=int, default=2)
@@ -109,9 +112,10 @@ def main() -> None:
     prompts = make_prompts(AutoTokenizer.from_pretrained(model_dir), args.num_prompts)
     spec = {"model_dir": model_dir, "dtype": args.dtype, "single_prompts": prompts[:args.num_single],
             "batch_prompts": prompts, "output_len": args.output_len, "repeats": args.repeats,
-            "threads": args.threads}
+            "threads": args.threads, "quantization": args.quantization}
     print(f"{cpu_description()}\n{args.dtype}, {args.threads} threads, {args.rounds} rounds")
-    names = (f"kvmesh {args.dtype}", f"vLLM CPU {args.dtype}")
+    ours = f"{args.quantization} " if args.quantization else ""
+    names = (f"kvmesh {ours}{args.dtype}", f"vLLM CPU {args.dtype}")
     rounds: dict[str, list[dict]] = {name: [] for name in names}
     for r in range(args.rounds):
         rounds[names[0]].append(run_kvmesh(spec))

@@ -31,7 +31,8 @@ eight, whichever was faster at one row). Then, for the default model quantized e
 way (int8, w8a8, gguf) in float32, the whole model's step of linear layers at 1 to 512
 rows through the layers' kernels and through dequantize-then-GEMM, and the row
 count the worker would choose (``services/worker/layers/quantized_choice.py``).
-``--choice-only`` prints just those.
+``--choice-only`` prints just those. Last, batched decode: the w8a8 kernel (VNNI)
+against oneDNN's prepacked bfloat16 linear at 16 to 256 rows of bfloat16 activations.
 
     .venv/bin/python -m benchmarks.cpu_kernels --threads 2 [--choice-only]
 """
@@ -55,9 +56,11 @@ from kernels.gguf_quants import GGMLQuantizationType
 from kernels.int8_dynamic_linear_cpu import weight_sums
 from services.worker.layers import gguf_layout, linear_choice, quantized_choice
 from services.worker.layers.bf16_linear import UNBOUNDED_ROWS
+from services.worker.layers.packed_linear import can_pack
 from services.worker.model_loader import load_model
 
 NUM_ROWS = (1, 2, 4, 8, 16, 32)
+BATCH_ROWS = (16, 32, 64, 128, 256)  # w8a8 against bfloat16 at batched-decode sizes
 # Each call's weight copy was last read twice the L3's size ago: it comes from memory.
 COPIES_BYTES = max(96 << 20, 2 * linear_choice.last_level_cache_bytes())
 BANDWIDTH_BYTES = max(256 << 20, COPIES_BYTES)  # what the read bandwidth is measured over
@@ -144,6 +147,38 @@ def candidates(out_features: int, in_features: int) -> dict[str, tuple[list, Cal
                     copies(qweight, scales, sums), lambda x, w, v=use_vnni:
                     torch.ops.kvmesh.int8_dynamic_linear_cpu(x, w[0], w[1], w[2], v))
     return kernels
+
+
+def print_w8a8_against_bf16(repeats: int) -> None:
+    """Batched decode: kvmesh's w8a8 kernel on its VNNI path (a GEMM from 16 rows)
+    against oneDNN's prepacked bfloat16 linear, both on bfloat16 activations."""
+    if not (has_cpu_kernel("int8_dynamic_linear_cpu")
+            and can_pack(torch.bfloat16, torch.device("cpu"))):
+        return
+    print(f"\nw8a8 (VNNI) against oneDNN prepacked bfloat16, {torch.get_num_threads()} threads, "
+          "bfloat16 x: us per call, weights from memory (w8a8 / oneDNN = ratio)")
+    print(f"{'M':>4} " + "".join(f"{name:>26}" for name in WORKER_SHAPES))
+    gen = torch.Generator().manual_seed(0)
+    operands = {}
+    for name, (out_features, in_features) in WORKER_SHAPES.items():
+        weight = torch.randn(out_features, in_features, generator=gen) * 0.05
+        scales = weight.abs().amax(dim=1) / 127
+        qweight = torch.round(weight / scales[:, None]).to(torch.int8)
+        num_copies = max(1, COPIES_BYTES // (weight.numel() * 2))
+        operands[name] = ([(qweight.clone(), scales, weight_sums(qweight)) for _ in range(num_copies)],
+                          [torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16())
+                           for _ in range(num_copies)])
+    for rows in BATCH_ROWS:
+        cells = []
+        for name, (_, in_features) in WORKER_SHAPES.items():
+            x = torch.randn(rows, in_features, generator=gen).bfloat16()
+            int8, packed = operands[name]
+            w8a8 = median_call_s(lambda i: torch.ops.kvmesh.int8_dynamic_linear_cpu(
+                x, *int8[i], True), len(int8), repeats)
+            onednn = median_call_s(lambda i: torch.ops.mkldnn._linear_pointwise(
+                x, packed[i], None, "none", [], ""), len(packed), repeats)
+            cells.append(f"{w8a8 * 1e6:.0f} / {onednn * 1e6:.0f} = {w8a8 / onednn:.2f}")
+        print(f"{rows:>4} " + "".join(f"{c:>26}" for c in cells), flush=True)
 
 
 def print_bf16_choice() -> None:
@@ -238,6 +273,7 @@ def main() -> None:
                 num_bytes = sum(t.numel() * t.element_size() for t in copies[0])
                 cells.append(f"{seconds * 1e6:10.1f} ({num_bytes / seconds / 1e9:4.1f})")
             print(f"{num_rows:>3} " + "".join(f"{c:>18}" for c in cells), flush=True)
+    print_w8a8_against_bf16(args.repeats)
 
 
 if __name__ == "__main__":

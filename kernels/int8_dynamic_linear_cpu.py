@@ -10,6 +10,9 @@ outputs, and no other row's, are NaN; a row below ``_MIN_ABSMAX``: zeros). Then
 for AVX2 and AVX-512 CPUs) does the product with AVX512-VNNI's vpdpbusd where the
 CPU has it (which needs ``weight_sums``, see `weight_sums`), else AVX2: a few rows
 cost little more than one, where weight-only int8 converts every weight to float.
+From 16 rows on, the VNNI path is a GEMM with the activation rows in a vector's
+lanes and no sum reduced across a vector; on a Zen 5 (2 threads) it took
+0.5-0.75x the time of oneDNN's prepacked bfloat16 linear at 16-256 rows.
 The reference computes the integer product in float64 (exact: every partial sum
 is an integer below 2**53) and scales in the kernel's order, so the two agree
 bit for bit.

@@ -24,6 +24,13 @@
 // next four are prefetched, and multiplies up to four activation rows into each
 // weight vector it loads.
 //
+// From kGemmMinRows activation rows on (a batch of decodes), the VNNI path turns
+// the product around: each vpdpbusd takes 16 activation rows (repacked once per
+// call so that a vector holds 4 consecutive k of 16 rows) against 4 bytes of one
+// weight row broadcast, so every lane is one output and no sum is reduced across
+// a vector. Its int32 sums and the float operations after them are the same as
+// the row path's, so the output is the same bits.
+//
 // Built at run time by kernels/cpu_extension.py with the C++ compiler inductor uses.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -52,6 +59,13 @@ constexpr int64_t kMaxK = std::numeric_limits<int32_t>::max() / (255 * 128);
 constexpr int64_t kRows = 4;  // weight rows per group (a thread's unit of work)
 constexpr int64_t kMaxXRows = 4;  // activation rows per pass over a group
 constexpr int32_t kVnniOffset = 128;  // the unsigned shift of the VNNI path's activations
+constexpr int64_t kGemmMinRows = 16;  // activation rows from which VNNI takes the GEMM path
+constexpr int64_t kLanes = 16;  // int32 lanes of a 512-bit vector: activation rows per vector
+constexpr int64_t kGemmVecs = 2;  // activation vectors (32 rows) per pass over a block
+constexpr int64_t kGemmRows = 6;  // weight rows per group of the GEMM path
+constexpr int64_t kGemmBlockRows = 96;  // weight rows per block (16 groups): a unit of work
+// A pass over one vector of rows takes twice the weight rows into the same dots.
+static_assert(kGemmVecs >= 2 && kGemmBlockRows % (2 * kGemmRows) == 0);
 // A row whose largest magnitude is below this counts as zero (127 / absmax would
 // overflow float32 for subnormals); the reference uses the same bound.
 constexpr float kMinAbsMax = 1e-30f;
@@ -209,6 +223,129 @@ void group_dots(int64_t mb, bool vnni, const int8_t* w, int64_t num_rows, const 
   }
 }
 
+// ---- many activation rows (VNNI): activation rows in the lanes, weights broadcast ----
+
+// xq's M rows (K bytes each) as blocks of 16 rows: block b's step j (64 bytes) holds
+// bytes 4j..4j+3 of its rows in row order, at xp + (b * K / 4 + j) * 64. Rows past M
+// hold the VNNI zero (128) and their outputs are never stored.
+void pack_rows(const uint8_t* xq, int64_t M, int64_t K, uint8_t* xp) {
+  const int64_t blocks = (M + kLanes - 1) / kLanes, steps = K / 4;
+  std::memset(xp + M * K, kVnniOffset, (blocks * kLanes - M) * K);
+  for (int64_t m = 0; m < M; ++m) {
+    uint8_t* block = xp + (m / kLanes) * kLanes * K + (m % kLanes) * 4;
+    for (int64_t j = 0; j < steps; ++j) std::memcpy(block + j * 64, xq + m * K + 4 * j, 4);
+  }
+}
+
+// dots[v * R + r][lane] = sum_k xq[16 v + lane, k] * w[r * K + k] for V blocks of
+// packed rows at xp and R weight rows at w.
+template <int64_t V, int64_t R>
+KVMESH_VNNI void gemm_dots(const uint8_t* xp, int64_t K, const int8_t* w,
+                           int32_t (*dots)[kLanes]) {
+  __m512i acc[V][R];
+  for (int64_t v = 0; v < V; ++v)
+    for (int64_t r = 0; r < R; ++r) acc[v][r] = _mm512_setzero_si512();
+  const int64_t steps = K / 4;
+  for (int64_t j = 0; j < steps; ++j) {
+    __m512i xv[V];
+    for (int64_t v = 0; v < V; ++v) xv[v] = _mm512_loadu_si512(xp + (v * steps + j) * 64);
+    for (int64_t r = 0; r < R; ++r) {
+      int32_t quad;
+      std::memcpy(&quad, w + r * K + 4 * j, 4);
+      const __m512i wv = _mm512_set1_epi32(quad);
+      for (int64_t v = 0; v < V; ++v) acc[v][r] = _mm512_dpbusd_epi32(acc[v][r], xv[v], wv);
+    }
+  }
+  for (int64_t v = 0; v < V; ++v)
+    for (int64_t r = 0; r < R; ++r) _mm512_storeu_si512(dots[v * R + r], acc[v][r]);
+}
+
+template <int64_t R>
+void gemm_dots(int64_t num_vecs, const uint8_t* xp, int64_t K, const int8_t* w,
+               int32_t (*dots)[kLanes]) {
+  if (num_vecs == 1) return gemm_dots<1, R>(xp, K, w, dots);
+  return gemm_dots<kGemmVecs, R>(xp, K, w, dots);
+}
+
+// tile[16 v + lane][c0 + r] = float32(dot - 128 * wsum[r]) * sx[16 v + lane] * scales[r],
+// as write_outputs computes each output (before its rounding to x's dtype).
+KVMESH_VNNI void scale_gemm_dots(int32_t (*dots)[kLanes], int64_t num_vecs, int64_t R,
+                                 const int32_t* wsum, const float* scales, const float* sx,
+                                 float (*tile)[kGemmBlockRows], int64_t c0) {
+  for (int64_t v = 0; v < num_vecs; ++v) {
+    const __m512 sxv = _mm512_loadu_ps(sx + v * kLanes);
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512i acc = _mm512_sub_epi32(_mm512_loadu_si512(dots[v * R + r]),
+                                           _mm512_set1_epi32(kVnniOffset * wsum[r]));
+      const __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc), sxv),
+                                     _mm512_set1_ps(scales[r]));
+      float ys[kLanes];
+      _mm512_storeu_ps(ys, y);
+      for (int64_t i = 0; i < kLanes; ++i) tile[v * kLanes + i][c0 + r] = ys[i];
+    }
+  }
+}
+
+// One pass of up to 32 activation rows (packed at xp, scales at sx) over the block of
+// num_rows weight rows at w: out's rows [m0, m0 + rows), columns [n0, n0 + num_rows).
+// The outputs are gathered in a tile and written a row segment at a time: written a
+// column at a time, as the lanes hold them, the LM head's output rows (49,152 values
+// apart, so in the same cache sets) evicted one another.
+template <typename scalar_t>
+void gemm_pass(const uint8_t* xp, int64_t K, int64_t rows, const float* sx, const int8_t* w,
+               int64_t num_rows, const int32_t* wsum, const float* scales, scalar_t* out,
+               int64_t N) {
+  alignas(64) float tile[kGemmVecs * kLanes][kGemmBlockRows];
+  int32_t dots[kGemmVecs * kGemmRows][kLanes];
+  const int64_t num_vecs = (rows + kLanes - 1) / kLanes;
+  int64_t c = 0;
+  // One vector of rows: twice the weight rows, for as many independent sums.
+  for (; num_vecs == 1 && c + 2 * kGemmRows <= num_rows; c += 2 * kGemmRows) {
+    gemm_dots<1, 2 * kGemmRows>(xp, K, w + c * K, dots);
+    scale_gemm_dots(dots, 1, 2 * kGemmRows, wsum + c, scales + c, sx, tile, c);
+  }
+  for (; c + kGemmRows <= num_rows; c += kGemmRows) {
+    gemm_dots<kGemmRows>(num_vecs, xp, K, w + c * K, dots);
+    scale_gemm_dots(dots, num_vecs, kGemmRows, wsum + c, scales + c, sx, tile, c);
+  }
+  for (; c < num_rows; ++c) {
+    gemm_dots<1>(num_vecs, xp, K, w + c * K, dots);
+    scale_gemm_dots(dots, num_vecs, 1, wsum + c, scales + c, sx, tile, c);
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < num_rows; ++j) out[i * N + j] = static_cast<scalar_t>(tile[i][j]);
+  }
+}
+
+// The VNNI path for M >= kGemmMinRows rows, on xq (M rows of q + 128) and sx (M values,
+// padded with zeros to whole vectors). Each thread takes a contiguous range of blocks
+// of kGemmBlockRows weight rows; a block is read from memory on its first pass and
+// from the cache on the others.
+template <typename scalar_t>
+void int8_dynamic_gemm(const uint8_t* xq, const float* sx, int64_t M, int64_t K,
+                       const at::Tensor& qweight, const int32_t* wsum, const float* scales,
+                       scalar_t* out) {
+  const int64_t N = qweight.size(0), num_blocks = (N + kGemmBlockRows - 1) / kGemmBlockRows;
+  std::vector<uint8_t> packed((M + kLanes - 1) / kLanes * kLanes * K);
+  pack_rows(xq, M, K, packed.data());
+  const int8_t* w = qweight.data_ptr<int8_t>();
+  const int64_t per_thread = (num_blocks + at::get_num_threads() - 1) / at::get_num_threads();
+  at::parallel_for(0, num_blocks, per_thread, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kGemmBlockRows, num_rows = std::min(kGemmBlockRows, N - n0);
+      if (b + 1 < end) {  // the next block into L2 while this one computes
+        const char* next = reinterpret_cast<const char*>(w + (n0 + kGemmBlockRows) * K);
+        const int64_t next_bytes = std::min(kGemmBlockRows, N - n0 - kGemmBlockRows) * K;
+        for (int64_t i = 0; i < next_bytes; i += 64) _mm_prefetch(next + i, _MM_HINT_T1);
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += kGemmVecs * kLanes) {
+        gemm_pass(packed.data() + m0 * K, K, std::min(kGemmVecs * kLanes, M - m0), sx + m0,
+                  w + n0 * K, num_rows, wsum + n0, scales + n0, out + m0 * N + n0, N);
+      }
+    }
+  });
+}
+
 // ---- driver ----
 
 bool cpu_has_vnni() {
@@ -252,7 +389,7 @@ void int8_dynamic_linear_kernel(const at::Tensor& x, const at::Tensor& qweight,
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
   const int64_t elem_bytes = vnni ? 1 : 2;
   at::Tensor xq = at::empty({M * K * elem_bytes}, x.options().dtype(at::kByte));
-  std::vector<float> sx(M);
+  std::vector<float> sx((M + kLanes - 1) / kLanes * kLanes, 0.0f);  // whole vectors
   const scalar_t* xp = x.data_ptr<scalar_t>();
   uint8_t* xq_bytes = xq.data_ptr<uint8_t>();
   for (int64_t m = 0; m < M; ++m) {
@@ -265,6 +402,9 @@ void int8_dynamic_linear_kernel(const at::Tensor& x, const at::Tensor& qweight,
   const float* s = scales.data_ptr<float>();
   const int32_t* wsum = weight_sums.data_ptr<int32_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
+  if (vnni && M >= kGemmMinRows) {
+    return int8_dynamic_gemm(xq_bytes, sx.data(), M, K, qweight, wsum, s, o);
+  }
   kvmesh::for_each_row_group<kRows>(N, w, K, [&](int64_t n0, int64_t num_rows) {
     int32_t dots[kMaxXRows * kRows];
     for (int64_t m0 = 0; m0 < M; m0 += kMaxXRows) {  // the group's weights stay in L1

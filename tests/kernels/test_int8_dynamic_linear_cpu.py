@@ -45,7 +45,7 @@ def _op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 @needs_kernel
 @PATHS
 @DTYPES
-@pytest.mark.parametrize("num_tokens", [1, 2, 3, 4, 5, 7, 8, 16, 33])
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 4, 5, 7, 8, 15, 16, 33, 64, 65, 100])
 @pytest.mark.parametrize("out_features", [1, 7, 100, 576])
 @pytest.mark.parametrize("in_features", [64, 576, 1536])
 def test_kernel_is_the_reference_bit_for_bit(use_vnni: bool, dtype: torch.dtype,
@@ -53,7 +53,9 @@ def test_kernel_is_the_reference_bit_for_bit(use_vnni: bool, dtype: torch.dtype,
                                              in_features: int) -> None:
     """Same int8 activations, exact integer products, the same float32 scaling in
     the same order: nothing is left to differ. Activation rows past the blocks of
-    four, weight rows past the groups of four and the threads' split."""
+    four, weight rows past the groups of four and the threads' split; from 16 rows
+    on, the VNNI path's GEMM (rows past whole vectors and passes of 64, weight rows
+    past its groups of six)."""
     x, qweight, scales = _operands(num_tokens, out_features, in_features, dtype,
                                    seed=num_tokens * 1000 + out_features + in_features)
     out = _op(x, qweight, scales, use_vnni)
@@ -64,12 +66,13 @@ def test_kernel_is_the_reference_bit_for_bit(use_vnni: bool, dtype: torch.dtype,
 
 @needs_kernel
 @PATHS
-def test_the_largest_k_does_not_overflow(use_vnni: bool) -> None:
+@pytest.mark.parametrize("num_tokens", [2, 17], ids=["rows", "gemm"])
+def test_the_largest_k_does_not_overflow(use_vnni: bool, num_tokens: int) -> None:
     """At CPU_KERNEL_MAX_K (rounded down to whole vectors), the VNNI path's unsigned
     sum reaches 255 * -128 * K, just inside int32; one vector more is refused."""
     in_features = CPU_KERNEL_MAX_K // 64 * 64
-    x = torch.ones(2, in_features)
-    x[1] = -1.0
+    x = torch.ones(num_tokens, in_features)
+    x[1::2] = -1.0
     qweight = torch.full((3, in_features), -128, dtype=torch.int8)
     qweight[1] = 127
     scales = torch.ones(3)
@@ -84,8 +87,10 @@ def test_the_largest_k_does_not_overflow(use_vnni: bool) -> None:
 @needs_kernel
 @PATHS
 @DTYPES
-def test_a_nan_or_inf_spoils_its_own_row_only(use_vnni: bool, dtype: torch.dtype) -> None:
-    x, qweight, scales = _operands(6, 37, 576, dtype, seed=1)
+@pytest.mark.parametrize("num_tokens", [6, 40], ids=["rows", "gemm"])
+def test_a_nan_or_inf_spoils_its_own_row_only(use_vnni: bool, dtype: torch.dtype,
+                                              num_tokens: int) -> None:
+    x, qweight, scales = _operands(num_tokens, 37, 576, dtype, seed=1)
     clean = _op(x, qweight, scales, use_vnni)
     assert torch.equal(clean, _op(x, qweight, scales, use_vnni))  # every output written
     x[1, 40] = torch.nan
@@ -93,7 +98,8 @@ def test_a_nan_or_inf_spoils_its_own_row_only(use_vnni: bool, dtype: torch.dtype
     x[4, 575] = torch.inf
     out = _op(x, qweight, scales, use_vnni)
     assert out[[1, 3, 4]].isnan().all()
-    assert torch.equal(out[[0, 2, 5]], clean[[0, 2, 5]])
+    kept = [m for m in range(num_tokens) if m not in (1, 3, 4)]
+    assert torch.equal(out[kept], clean[kept])
     torch.testing.assert_close(out, int8_dynamic_linear_ref(x, qweight, scales), rtol=0, atol=0,
                                equal_nan=True)
 
