@@ -113,9 +113,10 @@ def main() -> None:
     spec = {"model_dir": model_dir, "dtype": args.dtype, "single_prompts": prompts[:args.num_single],
             "batch_prompts": prompts, "output_len": args.output_len, "repeats": args.repeats,
             "threads": args.threads, "quantization": args.quantization}
-    print(f"{cpu_description()}\n{args.dtype}, {args.threads} threads, {args.rounds} rounds")
     ours = f"{args.quantization} " if args.quantization else ""
     names = (f"kvmesh {ours}{args.dtype}", f"vLLM CPU {args.dtype}")
+    print(f"{cpu_description()}\n{names[0]} against {names[1]}, {args.threads} threads, "
+          f"{args.rounds} rounds")
     rounds: dict[str, list[dict]] = {name: [] for name in names}
     for r in range(args.rounds):
         rounds[names[0]].append(run_kvmesh(spec))
