@@ -102,16 +102,27 @@ def read_bandwidth_gb_s(repeats: int) -> float:
     return data.numel() * 4 / median_call_s(lambda i: data.sum(), 1, repeats) / 1e9
 
 
+def random_weight(out_features: int, in_features: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(out_features, in_features, generator=gen) * 0.05
+
+
+def copies(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """Enough copies of the tensors that cycling through them reads from memory."""
+    num_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    return [tuple(t.clone() for t in tensors) for _ in range(max(1, COPIES_BYTES // num_bytes))]
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel int8 (qweight, scales), as the int8 and w8a8 layers quantize."""
+    scales = weight.abs().amax(dim=1) / 127
+    return torch.round(weight / scales[:, None]).to(torch.int8), scales
+
+
 def candidates(out_features: int, in_features: int) -> dict[str, tuple[list, Callable]]:
     """Kernel name -> (weight copies, call(x_float32, copy) -> out); x's dtype is the
     kernel's own (bfloat16 for bfloat16's F.linear)."""
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(out_features, in_features, generator=gen) * 0.05
-
-    def copies(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
-        num_bytes = sum(t.numel() * t.element_size() for t in tensors)
-        return [tuple(t.clone() for t in tensors) for _ in range(max(1, COPIES_BYTES // num_bytes))]
-
+    weight = random_weight(out_features, in_features)
     kernels = {}
     if has_cpu_kernel("gguf_linear_cpu"):
         for quant_type in GGMLQuantizationType:
@@ -136,8 +147,7 @@ def candidates(out_features: int, in_features: int) -> dict[str, tuple[list, Cal
                                 lambda x, w: F.linear(x.bfloat16(), w[0]))
     kernels["f32 F.linear"] = (copies(weight), lambda x, w: F.linear(x, w[0]))
     if has_cpu_kernel("int8_linear_cpu"):
-        scales = weight.abs().amax(dim=1) / 127
-        qweight = torch.round(weight / scales[:, None]).to(torch.int8)
+        qweight, scales = quantize_int8(weight)
         kernels["int8"] = (copies(qweight, scales),
                            lambda x, w: torch.ops.kvmesh.int8_linear_cpu(x, w[0], w[1]))
         if has_cpu_kernel("int8_dynamic_linear_cpu"):  # w8a8: activations per token too
@@ -160,14 +170,12 @@ def print_w8a8_against_bf16(repeats: int) -> None:
     print(f"{'M':>4} " + "".join(f"{name:>26}" for name in WORKER_SHAPES))
     gen = torch.Generator().manual_seed(0)
     operands = {}
-    for name, (out_features, in_features) in WORKER_SHAPES.items():
-        weight = torch.randn(out_features, in_features, generator=gen) * 0.05
-        scales = weight.abs().amax(dim=1) / 127
-        qweight = torch.round(weight / scales[:, None]).to(torch.int8)
-        num_copies = max(1, COPIES_BYTES // (weight.numel() * 2))
-        operands[name] = ([(qweight.clone(), scales, weight_sums(qweight)) for _ in range(num_copies)],
-                          [torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16())
-                           for _ in range(num_copies)])
+    for name, shape in WORKER_SHAPES.items():
+        weight = random_weight(*shape)
+        qweight, scales = quantize_int8(weight)
+        operands[name] = (copies(qweight, scales, weight_sums(qweight)),
+                          [(torch.ops.mkldnn._reorder_linear_weight(w),)
+                           for (w,) in copies(weight.bfloat16())])
     for rows in BATCH_ROWS:
         cells = []
         for name, (_, in_features) in WORKER_SHAPES.items():
@@ -176,7 +184,7 @@ def print_w8a8_against_bf16(repeats: int) -> None:
             w8a8 = median_call_s(lambda i: torch.ops.kvmesh.int8_dynamic_linear_cpu(
                 x, *int8[i], True), len(int8), repeats)
             onednn = median_call_s(lambda i: torch.ops.mkldnn._linear_pointwise(
-                x, packed[i], None, "none", [], ""), len(packed), repeats)
+                x, packed[i][0], None, "none", [], ""), len(packed), repeats)
             cells.append(f"{w8a8 * 1e6:.0f} / {onednn * 1e6:.0f} = {w8a8 / onednn:.2f}")
         print(f"{rows:>4} " + "".join(f"{c:>26}" for c in cells), flush=True)
 

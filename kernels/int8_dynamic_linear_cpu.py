@@ -12,7 +12,7 @@ CPU has it (which needs ``weight_sums``, see `weight_sums`), else AVX2: a few ro
 cost little more than one, where weight-only int8 converts every weight to float.
 From 16 rows on, the VNNI path is a GEMM with the activation rows in a vector's
 lanes and no sum reduced across a vector; on a Zen 5 (2 threads) it took
-0.5-0.75x the time of oneDNN's prepacked bfloat16 linear at 16-256 rows.
+0.51-0.77x the time of oneDNN's prepacked bfloat16 linear at 16-256 rows.
 The reference computes the integer product in float64 (exact: every partial sum
 is an integer below 2**53) and scales in the kernel's order, so the two agree
 bit for bit.

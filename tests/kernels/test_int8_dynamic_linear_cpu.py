@@ -54,7 +54,7 @@ def test_kernel_is_the_reference_bit_for_bit(use_vnni: bool, dtype: torch.dtype,
     """Same int8 activations, exact integer products, the same float32 scaling in
     the same order: nothing is left to differ. Activation rows past the blocks of
     four, weight rows past the groups of four and the threads' split; from 16 rows
-    on, the VNNI path's GEMM (rows past whole vectors and passes of 64, weight rows
+    on, the VNNI path's GEMM (rows past whole vectors and passes of 32, weight rows
     past its groups of six)."""
     x, qweight, scales = _operands(num_tokens, out_features, in_features, dtype,
                                    seed=num_tokens * 1000 + out_features + in_features)
