@@ -1,12 +1,13 @@
-"""torch.compile of the model's pieces on the CPU, with an on-disk cache of what it builds.
+"""torch.compile of the model's pieces, with an on-disk cache of what it builds.
 
 The CPU counterpart of piecewise CUDA graphs: the three piece functions between
 attention calls (first, middle, last) are compiled once each by inductor, which
 fuses the elementwise work (RMSNorm with its residual add, rotary, SiLU-and-mul)
-into a few C++ loops around the matmuls. Shapes are dynamic, so one graph serves
-every batch size (torch specializes a batch of one token). Inductor writes its
-generated code and FX graphs under a cache directory; a restarted worker finds
-them there and skips both the build and the C++ compile.
+into a few C++ loops around the matmuls (on CUDA, a few Triton kernels, which the
+graphs then capture). Shapes are dynamic, so one graph serves every batch size
+(torch specializes a batch of one token). Inductor writes its generated code and
+FX graphs under a cache directory; a restarted worker finds them there and skips
+both the build and the C++ compile.
 """
 
 from __future__ import annotations

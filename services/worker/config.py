@@ -268,9 +268,10 @@ class WorkerConfig:
     stored (CPU only).
     ``compile_pieces``: compile the forward pass between attention calls with
     ``torch.compile`` (inductor), the CPU counterpart of piecewise CUDA
-    graphs; None is on for the CPU and off for CUDA. Compiled artefacts are
-    cached in ``compile_cache_dir`` (None: ``<kvmesh cache>/inductor``) so a
-    restart does not compile again.
+    graphs; on CUDA the graphs then capture the compiled (fused) kernels.
+    None is on for the CPU and off for CUDA (not yet measured there).
+    Compiled artefacts are cached in ``compile_cache_dir`` (None: ``<kvmesh
+    cache>/inductor``) so a restart does not compile again.
     ``simulate``: no model weights and no KV memory; each step waits as
     ``LatencyModel`` says and samples deterministic tokens (``simulated.py``).
     ``cudagraph_mode``: NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or

@@ -144,9 +144,10 @@ class ModelRunner:
     ``cudagraph_mode`` is downgraded to what the attention backend supports;
     a mode other than NONE needs a CUDA device (WorkerConfig checks it) and
     ``capture_model()`` before the first step. ``compile_pieces`` compiles the
-    model's pieces between attention calls with torch.compile, on the CPU only
-    (``compiled_pieces`` says whether it happened); inductor builds them on
-    their first calls, which the worker makes in warm-up steps (``warmup.py``).
+    model's pieces between attention calls with torch.compile (``compiled_pieces``
+    says whether it happened); inductor builds them on their first calls, which
+    the worker makes in warm-up steps (``warmup.py``) and, on CUDA, the eager
+    run before each capture.
     """
 
     def __init__(
@@ -209,8 +210,10 @@ class ModelRunner:
         if self.device.type == "cpu" and hasattr(model, "pack_weights_"):
             # Before compiling: the compiled graphs call the packed kernels.
             model.pack_weights_()  # type: ignore[operator]
-        self._init_cudagraphs(cudagraph_mode, list(cudagraph_capture_sizes))
+        # Compiled first: the PIECEWISE wrappers go around the compiled pieces
+        # (compiling replaces the pieces, which would drop wrappers made before).
         self.compiled_pieces = compile_pieces and self._init_compilation()
+        self._init_cudagraphs(cudagraph_mode, list(cudagraph_capture_sizes))
 
     @property
     def overlaps_steps(self) -> bool:
@@ -218,15 +221,18 @@ class ModelRunner:
         return self.drafter is None
 
     def _init_compilation(self) -> bool:
-        """Compiles the pieces between attention calls and, where the model offers it,
-        the whole decode-only step (CPU only: on CUDA, graphs do this job); returns
-        whether they are compiled. Without a C++ compiler they stay eager."""
-        if self.device.type != "cpu" or not hasattr(self.model, "compile_pieces"):
+        """Compiles the pieces between attention calls (inductor's C++ loops on the
+        CPU, its Triton kernels on CUDA, where graphs then capture them) and, on the
+        CPU where the model offers it, the whole decode-only step (its attention is
+        the CPU kernel's; on CUDA, FULL graphs do that job); returns whether the
+        pieces are compiled. On a CPU without a C++ compiler they stay eager."""
+        if not hasattr(self.model, "compile_pieces"):
             return False
-        if not cpp_compiler_available():
+        on_cpu = self.device.type == "cpu"
+        if on_cpu and not cpp_compiler_available():
             return False
         self.model.compile_pieces(compile_piece)  # type: ignore[operator]
-        if hasattr(self.model, "compile_decode_step"):
+        if on_cpu and hasattr(self.model, "compile_decode_step"):
             self.model.compile_decode_step(compile_piece, self.kv_caches)
         return True
 

@@ -1,4 +1,4 @@
-"""Warm-up steps that compile the CPU worker's graphs before it registers.
+"""Warm-up steps that compile the worker's graphs before it registers.
 
 torch.compile builds on first use. A worker that compiled during its first
 real step would stall that request for as long as inductor takes (tens of

@@ -2,8 +2,9 @@
 
 float32 greedy decoding under every CUDA graph mode gives transformers' tokens
 on the same device (prompts of different lengths, so steps mix prefill and
-decode and graphs replay padded); structured outputs and prompt-lookup
-speculative decoding give on CUDA the tokens they give on the CPU.
+decode and graphs replay padded), with the pieces eager and compiled;
+structured outputs and prompt-lookup speculative decoding give on CUDA the
+tokens they give on the CPU.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvmesh.offline import LLM, SamplingParams
 from services.common.sampling_params import StructuredOutputsParams
+from services.worker.cudagraph.wrapper import CUDAGraphWrapper
 from tests.cuda import CUDA_MARKS
 from tests.offline.test_spec_decode import GROUNDED, PARAGRAPH, SPEC, spec_stats
 
@@ -75,6 +77,20 @@ def transformers_tokens(default_model_dir, prompts) -> list[list[int]]:
 def test_float32_greedy_equals_transformers_in_every_graph_mode(mode, prompts,
                                                                  transformers_tokens):
     llm = engine("cuda", cudagraph_mode=mode)
+    assert greedy(llm, prompts) == transformers_tokens
+
+
+@pytest.mark.parametrize("mode", ["PIECEWISE", "FULL"])
+def test_compiled_pieces_captured_in_graphs_give_transformers_tokens(mode, prompts,
+                                                                      transformers_tokens):
+    """The pieces compiled by inductor (Triton on CUDA), then captured: under
+    PIECEWISE the graph wrappers go around the compiled pieces (compiling after
+    wrapping would have replaced them)."""
+    llm = engine("cuda", cudagraph_mode=mode, compile_pieces=True)
+    runner = llm.llm_engine.engine_core.worker.model_runner
+    assert runner.compiled_pieces
+    if mode == "PIECEWISE":
+        assert all(isinstance(piece, CUDAGraphWrapper) for piece in runner.model.model.pieces)
     assert greedy(llm, prompts) == transformers_tokens
 
 
