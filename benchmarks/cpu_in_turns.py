@@ -41,7 +41,7 @@ def kvmesh_child() -> None:
     spec = json.load(sys.stdin)
     torch.set_num_threads(spec["threads"])
     singles, batch, output_len = spec["single_prompts"], spec["batch_prompts"], spec["output_len"]
-    engine = make_kvmesh(spec["dtype"], spec["quantization"], len(batch), prefix_caching=False)
+    engine = make_kvmesh(spec["dtype"], spec["quantization"], len(batch))
     startup_s = time.perf_counter() - _START_S
     kvmesh_tok_s(engine, singles[:1], 4, "warm-single-")
     kvmesh_tok_s(engine, batch, 4, "warm-batch-")

@@ -63,15 +63,14 @@ PREFILL_LEN = 1000
 
 
 # ------------------------------------------------------------------ generation
-def make_kvmesh(dtype: str, quantization: str | None, max_num_seqs: int,
-                prefix_caching: bool = False) -> EngineCore:
-    """The offline engine as every table here measures it. Prefix caching is off by
-    default, as the vLLM runner builds vLLM: the repeats send the same prompts again,
-    and cache hits would spare kvmesh prefill work that its peers do."""
+def make_kvmesh(dtype: str, quantization: str | None, max_num_seqs: int) -> EngineCore:
+    """The offline engine as every table here measures it. Prefix caching is off, as
+    the vLLM runner builds vLLM: the repeats send the same prompts again, and cache
+    hits would spare kvmesh prefill work that its peers do."""
     limits = SchedulingLimits(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
     config = WorkerConfig(dtype=dtype, quantization=quantization, kv_cache_gib=1.0,
                           limits=limits, max_model_len=2048)
-    options = SchedulingOptions(limits=limits, enable_prefix_caching=prefix_caching)
+    options = SchedulingOptions(limits=limits, enable_prefix_caching=False)
     return EngineCore.create(config, options)
 
 
