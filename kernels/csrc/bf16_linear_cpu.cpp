@@ -38,6 +38,7 @@
 #include <immintrin.h>
 
 #include "bf16_amx_linear.h"
+#include "decode_kernels.h"
 #include "row_groups.h"
 
 #include <algorithm>
@@ -277,6 +278,28 @@ void run(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out) {
   }
 }
 
+// Runs the path named (all the checks made): "auto" the fastest for x's dtype on this CPU.
+void run_path(std::string_view name, const at::Tensor& x, const at::Tensor& weight,
+              at::Tensor& out) {
+  const bool bf16_x = x.scalar_type() == at::kBFloat16;
+#if defined(CPU_CAPABILITY_AVX512)
+  const bool has_bf16 = __builtin_cpu_supports("avx512bf16");
+  if (name == "avx512bf16" || (name == "auto" && bf16_x && has_bf16)) {
+    TORCH_CHECK(bf16_x && has_bf16, "path avx512bf16 needs bfloat16 x and a CPU with "
+                "AVX512-BF16, got x ", x.scalar_type(), (has_bf16 ? "" : " on a CPU without it"));
+    run<Avx512Bf16>(x, weight, out);
+    return;
+  }
+  if (name == "auto" || name == "avx512f") {
+    run<Widen<Avx512F>>(x, weight, out);
+    return;
+  }
+#endif
+  TORCH_CHECK(name == "auto" || name == "avx2", "unknown path '", name, "': this build has ",
+              kPaths);
+  run<Widen<Avx2>>(x, weight, out);
+}
+
 at::Tensor bf16_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
                            c10::string_view path) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
@@ -287,25 +310,8 @@ at::Tensor bf16_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
   TORCH_CHECK(x.size(1) == weight.size(1) && x.size(1) % kKMultiple == 0,
               "x [M, K] and weight [N, K] must share K, a multiple of ", kKMultiple, ", got x ",
               x.sizes(), " and weight ", weight.sizes());
-  const std::string_view name(path.data(), path.size());
-  const bool bf16_x = x.scalar_type() == at::kBFloat16;
   at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
-#if defined(CPU_CAPABILITY_AVX512)
-  const bool has_bf16 = __builtin_cpu_supports("avx512bf16");
-  if (name == "avx512bf16" || (name == "auto" && bf16_x && has_bf16)) {
-    TORCH_CHECK(bf16_x && has_bf16, "path avx512bf16 needs bfloat16 x and a CPU with "
-                "AVX512-BF16, got x ", x.scalar_type(), (has_bf16 ? "" : " on a CPU without it"));
-    run<Avx512Bf16>(x, weight, out);
-    return out;
-  }
-  if (name == "auto" || name == "avx512f") {
-    run<Widen<Avx512F>>(x, weight, out);
-    return out;
-  }
-#endif
-  TORCH_CHECK(name == "auto" || name == "avx2", "unknown path '", name, "': this build has ",
-              kPaths);
-  run<Widen<Avx2>>(x, weight, out);
+  run_path(std::string_view(path.data(), path.size()), x, weight, out);
   return out;
 }
 
@@ -369,6 +375,10 @@ at::Tensor bf16_linear_dispatch_meta(const at::Tensor& x, const at::Tensor& weig
 }
 
 }  // namespace
+
+void kvmesh::bf16_linear_out(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out) {
+  run_path("auto", x, weight, out);
+}
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   m.def("bf16_linear_cpu(Tensor x, Tensor weight, str path=\"auto\") -> Tensor");

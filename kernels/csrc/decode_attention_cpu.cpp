@@ -20,6 +20,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "decode_kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -288,6 +290,19 @@ void check_block_table(const at::Tensor& block_table, const at::Tensor& seq_lens
 at::Tensor decode_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache,
                                 const at::Tensor& value_cache, const at::Tensor& block_table,
                                 const at::Tensor& seq_lens, double scale) {
+  kvmesh::check_decode_attention(query, key_cache, value_cache, block_table, seq_lens);
+  auto out = at::empty(query.sizes(), query.options());
+  kvmesh::decode_attention_out(query, key_cache, value_cache, block_table, seq_lens, scale, out);
+  return out;
+}
+
+}  // namespace
+
+// The op's operands: shapes, dtypes, and every block id and length (the kernel
+// reads raw memory, so a bad one must fail here).
+void kvmesh::check_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
+                                    const at::Tensor& value_cache, const at::Tensor& block_table,
+                                    const at::Tensor& seq_lens) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [num_reqs, num_heads, "
               "head_size] with contiguous rows");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() &&
@@ -308,13 +323,19 @@ at::Tensor decode_attention_cpu(const at::Tensor& query, const at::Tensor& key_c
               block_table.size(0) == query.size(0) && seq_lens.size(0) == query.size(0),
               "block_table must be int32 [num_reqs, blocks] and seq_lens int32 [num_reqs]");
   check_block_table(block_table, seq_lens, key_cache.size(0), key_cache.size(1));
-  auto out = at::empty({query.size(0), num_heads, head_size}, query.options());
-  if (query.size(0) == 0) return out;
-  const auto kv_type = key_cache.scalar_type();
   TORCH_CHECK((query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16) &&
-              (kv_type == at::kFloat || kv_type == at::kBFloat16),
+              (key_cache.scalar_type() == at::kFloat || key_cache.scalar_type() == at::kBFloat16),
               "query and caches must be float32 or bfloat16");
-  const bool q_bf16 = query.scalar_type() == at::kBFloat16, kv_bf16 = kv_type == at::kBFloat16;
+}
+
+// The kernel for the operands' dtypes and head size.
+void kvmesh::decode_attention_out(const at::Tensor& query, const at::Tensor& key_cache,
+                                  const at::Tensor& value_cache, const at::Tensor& block_table,
+                                  const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+  if (query.size(0) == 0) return;
+  const int64_t head_size = query.size(2);
+  const bool q_bf16 = query.scalar_type() == at::kBFloat16;
+  const bool kv_bf16 = key_cache.scalar_type() == at::kBFloat16;
   const auto args = std::tie(query, key_cache, value_cache, block_table, seq_lens);
   auto run = [&](auto q_tag, auto kv_tag) {
     using q_t = decltype(q_tag);
@@ -335,10 +356,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& query, const at::Tensor& key_c
   else if (q_bf16) run(at::BFloat16{}, float{});
   else if (kv_bf16) run(float{}, at::BFloat16{});
   else run(float{}, float{});
-  return out;
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   m.def("decode_attention_cpu(Tensor query, Tensor key_cache, Tensor value_cache, "

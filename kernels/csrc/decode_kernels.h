@@ -1,0 +1,26 @@
+// The decode kernels the fused decode step (llama_decode_cpu.cpp) calls directly,
+// without the dispatcher, an output allocation or the checks each op makes per call.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace kvmesh {
+
+// bf16_linear_cpu.cpp: out [M, N] = x [M, K] @ weight [N, K].T, x float32 or bfloat16
+// (out in x's dtype, contiguous), weight contiguous bfloat16, K a multiple of 32;
+// the fastest path this CPU runs ("auto"). Unchecked.
+void bf16_linear_out(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out);
+
+// decode_attention_cpu.cpp: the checks kvmesh::decode_attention_cpu makes of its
+// operands (shapes and dtypes it serves, every block id and length in bounds).
+void check_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_table,
+                            const at::Tensor& seq_lens);
+
+// decode_attention_cpu.cpp: kvmesh::decode_attention_cpu into out [num_reqs, num_heads,
+// head_size] (contiguous, query's dtype), unchecked: after check_decode_attention.
+void decode_attention_out(const at::Tensor& query, const at::Tensor& key_cache,
+                          const at::Tensor& value_cache, const at::Tensor& block_table,
+                          const at::Tensor& seq_lens, double scale, at::Tensor& out);
+
+}  // namespace kvmesh

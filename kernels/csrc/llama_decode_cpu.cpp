@@ -1,0 +1,264 @@
+// kvmesh::llama_decode_cpu: a Llama-family model's decode step (one new token per
+// request), every decoder layer and the final norm, in one call; bfloat16.
+//
+// The C++ counterpart of the model's compiled decode step (`_decode_step` in
+// services/worker/models/llama.py) for a few rows. There each layer is a dozen
+// small ops around four matrix-vector products, and launching them from Python,
+// with dynamo's guards and arguments before the graph, took about a fifth of a
+// one-stream step (benchmarks/RESULTS.md). Per layer, on rows of `hidden`:
+//   residual += h (the first layer: residual = h); x = norm(residual)
+//   [q | k | v] = x @ qkv.T; q and k rotated (rotate-half, by the row's position)
+//   k, v stored at the row's slot of the layer's cache; a = attention(q, cache)
+//   residual += a @ o.T; x = norm(residual)
+//   [g | u] = x @ gate_up.T; h = (silu(g) * u) @ down.T
+// and the result is norm(h + residual) with the final norm's weight.
+//
+// The products and the attention are the kernels the compiled step calls
+// (decode_kernels.h), so they give the same bits. The elementwise work is float32
+// on bfloat16 operands, rounded to bfloat16 once per tensor the model keeps (the
+// residual, the norm before and after its weight, the rotated q/k, silu(g) * u),
+// as the PyTorch reference (kernels/llama_decode_cpu.py) rounds; it is a few
+// thousand values a row, done on one thread.
+//
+// Built at run time by kernels/cpu_extension.py with the C++ compiler inductor uses.
+#include <ATen/ATen.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include "decode_kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <utility>
+
+namespace {
+
+using bf16 = at::BFloat16;
+constexpr int64_t kWeightsPerLayer = 6;  // input norm, qkv, o, post norm, gate_up, down
+constexpr int64_t kKMultiple = 32;  // the linear kernel's step through in_features
+
+using fVec = at::vec::Vectorized<float>;
+using bVec = at::vec::Vectorized<bf16>;  // twice fVec's lanes
+constexpr int64_t kLanes = bVec::size();
+
+// kLanes bfloat16 values from p, as two vectors of float32.
+inline std::tuple<fVec, fVec> load(const bf16* p) {
+  return at::vec::convert_to_float<bf16>(bVec::loadu(p));
+}
+
+// (a, b) rounded to bfloat16 (to nearest even) and stored at p.
+inline void store(bf16* p, const fVec& a, const fVec& b) {
+  at::vec::convert_from_float<bf16>(a, b).store(p);
+}
+
+// (a, b) rounded to bfloat16 and back.
+inline std::tuple<fVec, fVec> round_bf16(const fVec& a, const fVec& b) {
+  return at::vec::convert_to_float<bf16>(at::vec::convert_from_float<bf16>(a, b));
+}
+
+// The model's dimensions, read from the first layer's weights and cache.
+struct Dims {
+  int64_t rows, hidden, num_heads, num_kv_heads, head_size, inter, block_size, num_slots;
+  int64_t q_size() const { return num_heads * head_size; }
+  int64_t kv_size() const { return num_kv_heads * head_size; }
+};
+
+// One decoder layer's weights, in kWeightsPerLayer order.
+struct Layer {
+  const at::Tensor &input_norm, &qkv, &o, &post_norm, &gate_up, &down;
+};
+
+// residual = h + residual (when `add`, else h), out = norm(residual) * weight, for
+// each row: each [rows, hidden] contiguous bfloat16, hidden a multiple of kLanes.
+void add_rms_norm(const bf16* h, bf16* residual, const bf16* weight, double eps, bool add,
+                  const Dims& d, bf16* out) {
+  for (int64_t r = 0; r < d.rows; ++r) {
+    const bf16* hr = h + r * d.hidden;
+    bf16* rr = residual + r * d.hidden;
+    fVec sum_sq(0.f);
+    for (int64_t i = 0; i < d.hidden; i += kLanes) {
+      auto [a, b] = load(hr + i);
+      if (add) {
+        auto [ra, rb] = load(rr + i);
+        std::tie(a, b) = round_bf16(a + ra, b + rb);
+      }
+      store(rr + i, a, b);
+      sum_sq = at::vec::fmadd(a, a, at::vec::fmadd(b, b, sum_sq));
+    }
+    alignas(64) float lanes[fVec::size()];
+    sum_sq.store(lanes);
+    float total = 0.f;
+    for (float lane : lanes) total += lane;
+    const fVec inv(1.f / std::sqrt(total / static_cast<float>(d.hidden) + static_cast<float>(eps)));
+    for (int64_t i = 0; i < d.hidden; i += kLanes) {
+      const auto [a, b] = load(rr + i);
+      const auto [na, nb] = round_bf16(a * inv, b * inv);
+      const auto [wa, wb] = load(weight + i);
+      store(out + r * d.hidden + i, wa * na, wb * nb);
+    }
+  }
+}
+
+// Rotates the q and k heads of each row of qkv [rows, q + 2 kv] in place by the row's
+// position (cos_sin row: cos then sin, head_size / 2 each), then stores its k and v
+// at its slot of `cache` [2, num_blocks, block_size, num_kv_heads, head_size].
+void rotate_and_store(bf16* qkv, const bf16* cos_sin, const int64_t* positions,
+                      const int64_t* slots, bf16* cache, const Dims& d) {
+  const int64_t half = d.head_size / 2, width = d.q_size() + 2 * d.kv_size();
+  const int64_t cache_half = d.num_slots * d.kv_size();  // the V cache's offset
+  for (int64_t r = 0; r < d.rows; ++r) {
+    bf16* row = qkv + r * width;
+    const bf16* cos = cos_sin + positions[r] * d.head_size;
+    const bf16* sin = cos + half;
+    for (int64_t head = 0; head < d.num_heads + d.num_kv_heads; ++head) {
+      bf16* x = row + head * d.head_size;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = x[i], x2 = x[i + half], c = cos[i], s = sin[i];
+        x[i] = static_cast<bf16>(x1 * c - x2 * s);
+        x[i + half] = static_cast<bf16>(x2 * c + x1 * s);
+      }
+    }
+    bf16* k_slot = cache + slots[r] * d.kv_size();
+    std::copy_n(row + d.q_size(), d.kv_size(), k_slot);
+    std::copy_n(row + d.q_size() + d.kv_size(), d.kv_size(), k_slot + cache_half);
+  }
+}
+
+// out [rows, inter] = silu(gate) * up, gate_up [rows, 2 inter] = [gate | up], inter a
+// multiple of kLanes.
+void silu_and_mul(const bf16* gate_up, const Dims& d, bf16* out) {
+  const fVec one(1.f);
+  for (int64_t r = 0; r < d.rows; ++r) {
+    const bf16* g = gate_up + r * 2 * d.inter;
+    for (int64_t i = 0; i < d.inter; i += kLanes) {
+      const auto [ga, gb] = load(g + i);
+      const auto [ua, ub] = load(g + d.inter + i);
+      store(out + r * d.inter + i, ga / (one + ga.neg().exp_u20()) * ua,
+            gb / (one + gb.neg().exp_u20()) * ub);
+    }
+  }
+}
+
+void check_weight(const at::Tensor& w, at::IntArrayRef shape, int64_t layer, const char* name) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.sizes() == shape,
+              "layer ", layer, "'s ", name, " must be contiguous bfloat16 ", shape, ", got ",
+              w.scalar_type(), " ", w.sizes());
+}
+
+// Every operand's shape and dtype, and every index into memory, checked once per call.
+Dims check_operands(const at::Tensor& hidden, const at::Tensor& positions,
+                    const at::Tensor& cos_sin_cache, at::TensorList weights,
+                    const at::Tensor& final_norm, at::TensorList kv_caches,
+                    const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                    const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kBFloat16 && hidden.is_contiguous(),
+              "hidden must be contiguous bfloat16 [rows, hidden], got ", hidden.scalar_type(), " ",
+              hidden.sizes());
+  const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
+  TORCH_CHECK(num_layers >= 1 && static_cast<int64_t>(weights.size()) == kWeightsPerLayer * num_layers,
+              "need ", kWeightsPerLayer, " weights per layer for ", num_layers, " KV caches, got ",
+              weights.size());
+  const at::Tensor& cache = kv_caches[0];
+  TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.scalar_type() == at::kBFloat16 &&
+              cache.is_contiguous() && cache.size(3) == num_kv_heads,
+              "each KV cache must be contiguous bfloat16 [2, num_blocks, block_size, ",
+              num_kv_heads, ", head_size], got ", cache.scalar_type(), " ", cache.sizes());
+  const int64_t rows = hidden.size(0), H = hidden.size(1), head_size = cache.size(4);
+  const int64_t inter = weights[4].size(0) / 2;
+  const Dims d{rows, H, num_heads, num_kv_heads, head_size, inter, cache.size(2),
+               cache.size(1) * cache.size(2)};
+  TORCH_CHECK(H % kKMultiple == 0 && d.q_size() % kKMultiple == 0 && inter % kKMultiple == 0 &&
+              kKMultiple % kLanes == 0,
+              "hidden size ", H, ", heads x head size ", d.q_size(), " and intermediate size ",
+              inter, " must be multiples of ", kKMultiple);
+  for (int64_t l = 0; l < num_layers; ++l) {
+    TORCH_CHECK(kv_caches[l].sizes() == cache.sizes() && kv_caches[l].is_contiguous() &&
+                kv_caches[l].scalar_type() == at::kBFloat16,
+                "KV cache ", l, " must be like the first, got ", kv_caches[l].sizes());
+    const at::Tensor* w = weights.data() + l * kWeightsPerLayer;
+    check_weight(w[0], {H}, l, "input norm");
+    check_weight(w[1], {d.q_size() + 2 * d.kv_size(), H}, l, "qkv_proj");
+    check_weight(w[2], {H, d.q_size()}, l, "o_proj");
+    check_weight(w[3], {H}, l, "post-attention norm");
+    check_weight(w[4], {2 * inter, H}, l, "gate_up_proj");
+    check_weight(w[5], {H, inter}, l, "down_proj");
+  }
+  check_weight(final_norm, {H}, num_layers, "final norm");
+  TORCH_CHECK(cos_sin_cache.dim() == 2 && cos_sin_cache.size(1) == head_size &&
+              cos_sin_cache.scalar_type() == at::kBFloat16 && cos_sin_cache.is_contiguous(),
+              "cos_sin_cache must be contiguous bfloat16 [max_position, ", head_size, "], got ",
+              cos_sin_cache.scalar_type(), " ", cos_sin_cache.sizes());
+  for (const auto& [t, name] : {std::pair{&positions, "positions"}, {&slot_mapping, "slot_mapping"}}) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == rows && t->scalar_type() == at::kLong &&
+                t->is_contiguous(), name, " must be int64 [", rows, "], got ", t->scalar_type(),
+                " ", t->sizes());
+  }
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(pos[r] >= 0 && pos[r] < cos_sin_cache.size(0), "positions[", r, "] = ", pos[r],
+                " is outside [0, ", cos_sin_cache.size(0), ")");
+    TORCH_CHECK(slots[r] >= 0 && slots[r] < d.num_slots, "slot_mapping[", r, "] = ", slots[r],
+                " is outside [0, ", d.num_slots, ")");
+  }
+  const at::Tensor query = at::empty({rows, num_heads, head_size}, hidden.options());
+  kvmesh::check_decode_attention(query, cache[0], cache[1], block_table, seq_lens);
+  return d;
+}
+
+at::Tensor llama_decode_cpu(const at::Tensor& hidden, const at::Tensor& positions,
+                            const at::Tensor& cos_sin_cache, at::TensorList weights,
+                            const at::Tensor& final_norm, at::TensorList kv_caches,
+                            const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                            const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads,
+                            double eps, double scale) {
+  const Dims d = check_operands(hidden, positions, cos_sin_cache, weights, final_norm, kv_caches,
+                                slot_mapping, block_table, seq_lens, num_heads, num_kv_heads);
+  const auto options = hidden.options();
+  at::Tensor h = hidden.clone();
+  at::Tensor residual = at::empty_like(hidden), x = at::empty_like(hidden);
+  at::Tensor qkv = at::empty({d.rows, d.q_size() + 2 * d.kv_size()}, options);
+  at::Tensor attn = at::empty({d.rows, num_heads, d.head_size}, options);
+  at::Tensor gate_up = at::empty({d.rows, 2 * d.inter}, options);
+  at::Tensor act = at::empty({d.rows, d.inter}, options);
+  // q's rows inside qkv, as the attention reads them: [rows, heads, head_size].
+  const at::Tensor query = qkv.narrow(1, 0, d.q_size()).view({d.rows, num_heads, d.head_size});
+  const at::Tensor attn_rows = attn.view({d.rows, d.q_size()});
+  for (int64_t l = 0; l < static_cast<int64_t>(kv_caches.size()); ++l) {
+    const at::Tensor* w = weights.data() + l * kWeightsPerLayer;
+    const Layer layer{w[0], w[1], w[2], w[3], w[4], w[5]};
+    const at::Tensor& cache = kv_caches[l];
+    add_rms_norm(h.data_ptr<bf16>(), residual.data_ptr<bf16>(), layer.input_norm.data_ptr<bf16>(),
+                 eps, l > 0, d, x.data_ptr<bf16>());
+    kvmesh::bf16_linear_out(x, layer.qkv, qkv);
+    rotate_and_store(qkv.data_ptr<bf16>(), cos_sin_cache.data_ptr<bf16>(),
+                     positions.data_ptr<int64_t>(), slot_mapping.data_ptr<int64_t>(),
+                     cache.data_ptr<bf16>(), d);
+    kvmesh::decode_attention_out(query, cache[0], cache[1], block_table, seq_lens, scale, attn);
+    kvmesh::bf16_linear_out(attn_rows, layer.o, h);
+    add_rms_norm(h.data_ptr<bf16>(), residual.data_ptr<bf16>(), layer.post_norm.data_ptr<bf16>(),
+                 eps, true, d, x.data_ptr<bf16>());
+    kvmesh::bf16_linear_out(x, layer.gate_up, gate_up);
+    silu_and_mul(gate_up.data_ptr<bf16>(), d, act.data_ptr<bf16>());
+    kvmesh::bf16_linear_out(act, layer.down, h);
+  }
+  add_rms_norm(h.data_ptr<bf16>(), residual.data_ptr<bf16>(), final_norm.data_ptr<bf16>(), eps,
+               true, d, x.data_ptr<bf16>());
+  return x;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
+  m.def("llama_decode_cpu(Tensor hidden, Tensor positions, Tensor cos_sin_cache, "
+        "Tensor[] weights, Tensor final_norm, Tensor(a!)[] kv_caches, Tensor slot_mapping, "
+        "Tensor block_table, Tensor seq_lens, int num_heads, int num_kv_heads, float eps, "
+        "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
+  m.impl("llama_decode_cpu", &llama_decode_cpu);
+}

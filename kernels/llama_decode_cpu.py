@@ -1,0 +1,89 @@
+"""A Llama-family decode step (one new token per request) in one call, bfloat16, CPU.
+
+``kvmesh::llama_decode_cpu`` (kernels/csrc) runs every decoder layer and the final
+norm of a decode-only step: the model's compiled decode step without its ~12 op
+launches per layer, which took about a fifth of a one-stream step from Python.
+``llama_decode_ref`` is its contract in PyTorch: the same operands, the same
+results up to summation order (each product and norm is a float32 sum; bfloat16
+may then round to the neighbouring value).
+
+Operands, for ``rows`` requests of one new token each:
+- ``hidden`` bfloat16 [rows, hidden]: the tokens' embeddings;
+- ``positions`` int64 [rows]; ``cos_sin_cache`` bfloat16 [max_position, head_size],
+  cos then sin of each position's angles (``RotaryEmbedding.cos_sin_cache``);
+- ``weights``: per layer, in order, the input norm's [hidden], qkv_proj's
+  [(heads + 2 kv_heads) * head_size, hidden], o_proj's, the post-attention norm's,
+  gate_up_proj's [2 intermediate, hidden] and down_proj's; ``final_norm`` [hidden];
+- ``kv_caches``: per layer, [2, num_blocks, block_size, kv_heads, head_size]; each
+  token's K and V are written at its ``slot_mapping`` (int64 [rows]) entry before
+  attention reads the cache through ``block_table``/``seq_lens`` (int32, the CPU
+  attention plan's decode ones).
+Returns the final norm's output, bfloat16 [rows, hidden].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.paged_attention_cpu import decode_attention
+
+WEIGHTS_PER_LAYER = 6  # input norm, qkv, o, post-attention norm, gate_up, down
+
+
+def llama_decode_cpu(hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                     weights: list[torch.Tensor], final_norm: torch.Tensor,
+                     kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
+                     block_table: torch.Tensor, seq_lens: torch.Tensor, num_heads: int,
+                     num_kv_heads: int, eps: float, scale: float) -> torch.Tensor:
+    """The C++ op (needs ``has_cpu_kernel("llama_decode_cpu")``); see the module."""
+    return torch.ops.kvmesh.llama_decode_cpu(hidden, positions, cos_sin_cache, weights, final_norm,
+                                             kv_caches, slot_mapping, block_table, seq_lens,
+                                             num_heads, num_kv_heads, eps, scale)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.float()
+    normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).bfloat16()
+    return (weight.float() * normed.float()).bfloat16()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos.float()[:, None], sin.float()[:, None]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).bfloat16()
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.float(), weight.float()).bfloat16()
+
+
+def llama_decode_ref(hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                     weights: list[torch.Tensor], final_norm: torch.Tensor,
+                     kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
+                     block_table: torch.Tensor, seq_lens: torch.Tensor, num_heads: int,
+                     num_kv_heads: int, eps: float, scale: float) -> torch.Tensor:
+    """``llama_decode_cpu`` in PyTorch: every tensor the model keeps between ops
+    (the residual, the norm before and after its weight, the rotated q and k,
+    silu(gate) * up, each product) rounded to bfloat16, the arithmetic float32."""
+    rows = hidden.shape[0]
+    head_size = cos_sin_cache.shape[1]
+    q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    h, residual = hidden, None
+    for layer, kv_cache in enumerate(kv_caches):
+        input_norm, qkv_proj, o_proj, post_norm, gate_up_proj, down_proj = (
+            weights[WEIGHTS_PER_LAYER * layer:WEIGHTS_PER_LAYER * (layer + 1)])
+        residual = h if residual is None else (h.float() + residual.float()).bfloat16()
+        q, k, v = _linear(_rms_norm(residual, input_norm, eps), qkv_proj).split(
+            [q_size, kv_size, kv_size], dim=-1)
+        q = _rotate(q.reshape(rows, num_heads, head_size), cos, sin)
+        k = _rotate(k.reshape(rows, num_kv_heads, head_size), cos, sin)
+        cache = kv_cache.view(2, -1, num_kv_heads, head_size)
+        cache[0, slot_mapping] = k
+        cache[1, slot_mapping] = v.reshape(rows, num_kv_heads, head_size)
+        attn = decode_attention(q, kv_cache[0], kv_cache[1], block_table, seq_lens, scale)
+        residual = (_linear(attn.reshape(rows, q_size), o_proj).float() + residual.float()).bfloat16()
+        gate, up = _linear(_rms_norm(residual, post_norm, eps), gate_up_proj).float().chunk(2, dim=-1)
+        h = _linear((F.silu(gate) * up).bfloat16(), down_proj)
+    return _rms_norm((h.float() + residual.float()).bfloat16(), final_norm, eps)

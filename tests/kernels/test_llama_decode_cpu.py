@@ -1,0 +1,156 @@
+"""kvmesh::llama_decode_cpu (kernels/csrc) against its PyTorch reference
+`llama_decode_ref` on random models and paged batches: the output, the K/V it
+writes, every cache slot it must leave alone, and what it refuses."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kernels import cpu_extension
+from kernels.llama_decode_cpu import WEIGHTS_PER_LAYER, llama_decode_cpu, llama_decode_ref
+from services.worker.layers.rotary_embedding import RotaryEmbedding
+from tests.kernels.test_paged_attention import make_batch, max_rel_error
+from tests.kernels.test_paged_attention_cpu import _poison_unowned_slots
+
+pytestmark = pytest.mark.skipif(not cpu_extension.has_cpu_kernel("llama_decode_cpu"),
+                                reason="kvmesh's C++ CPU kernels could not be built here")
+# Relative to the reference, which sums each product in another order: a bfloat16
+# value may round to its neighbour, and that passes on through the layers.
+TOLERANCE = 2e-2
+
+
+@dataclasses.dataclass
+class Step:
+    """The op's operands, as ``llama_decode_cpu`` takes them after ``hidden``."""
+
+    hidden: torch.Tensor
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    weights: list[torch.Tensor]
+    final_norm: torch.Tensor
+    kv_caches: list[torch.Tensor]
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    eps: float = 1e-5
+
+    def args(self, kv_caches: list[torch.Tensor]) -> tuple:
+        head_size = self.cos_sin_cache.shape[1]
+        return (self.hidden, self.positions, self.cos_sin_cache, self.weights, self.final_norm,
+                kv_caches, self.slot_mapping, self.block_table, self.seq_lens, self.num_heads,
+                self.num_kv_heads, self.eps, head_size ** -0.5)
+
+
+def _weights(num_layers: int, hidden: int, num_heads: int, num_kv_heads: int, head_size: int,
+             inter: int, gen: torch.Generator) -> list[torch.Tensor]:
+    def rand(*shape: int, scale: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).bfloat16()
+
+    def norm() -> torch.Tensor:
+        return (1 + torch.randn(hidden, generator=gen) * 0.1).bfloat16()
+
+    qkv_rows, q_size = (num_heads + 2 * num_kv_heads) * head_size, num_heads * head_size
+    weights = []
+    for _ in range(num_layers):
+        weights += [norm(), rand(qkv_rows, hidden, scale=hidden ** -0.5),
+                    rand(hidden, q_size, scale=q_size ** -0.5), norm(),
+                    rand(2 * inter, hidden, scale=hidden ** -0.5),
+                    rand(hidden, inter, scale=inter ** -0.5)]
+    return weights
+
+
+def make_step(seq_lens: list[int], block_size: int, num_heads: int, num_kv_heads: int,
+              head_size: int, hidden: int = 128, inter: int = 256, num_layers: int = 2,
+              seed: int = 0) -> Step:
+    """One new token per request, at position seq_len - 1; every cache slot no request
+    owns is NaN, and so is the slot each new token goes to, until the op writes it."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = make_batch([1] * len(seq_lens), seq_lens, block_size, num_heads, num_kv_heads,
+                       head_size, num_padding=0, seed=seed)
+    _poison_unowned_slots(batch, block_size)
+    positions = batch.seq_lens.long() - 1
+    table = batch.block_table[: len(seq_lens)]
+    slots = table.gather(1, (positions // block_size)[:, None]).long()[:, 0] * block_size \
+        + positions % block_size
+    kv_caches = []
+    for _ in range(num_layers):
+        cache = batch.kv_cache.clone() * (0.5 + torch.rand(1, generator=gen))
+        cache.view(2, -1, num_kv_heads, head_size)[:, slots] = float("nan")
+        kv_caches.append(cache.bfloat16())
+    rotary = RotaryEmbedding(head_size, max(seq_lens) + 8, 10000.0, None, torch.bfloat16)
+    return Step(torch.randn(len(seq_lens), hidden, generator=gen).bfloat16(), positions,
+                rotary.cos_sin_cache, _weights(num_layers, hidden, num_heads, num_kv_heads,
+                                               head_size, inter, gen),
+                (1 + torch.randn(hidden, generator=gen) * 0.1).bfloat16(), kv_caches, slots,
+                table, batch.seq_lens, num_heads, num_kv_heads)
+
+
+def _run_both(step: Step) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+    ours, theirs = [c.clone() for c in step.kv_caches], [c.clone() for c in step.kv_caches]
+    return (llama_decode_cpu(*step.args(ours)), ours, llama_decode_ref(*step.args(theirs)), theirs)
+
+
+@pytest.mark.parametrize(("block_size", "num_heads", "num_kv_heads", "head_size"),
+                         [(16, 4, 2, 32), (16, 9, 3, 64), (8, 4, 4, 64), (32, 8, 1, 32)])
+@pytest.mark.parametrize("seq_lens", [[1], [40], [3, 17, 40, 9, 16], [1, 2, 3, 4, 5, 6, 7, 8]])
+def test_op_matches_reference(block_size: int, num_heads: int, num_kv_heads: int,
+                              head_size: int, seq_lens: list[int]) -> None:
+    """One to eight rows, first tokens and long histories, GQA groups of 1 to 8,
+    partial blocks; the K/V each layer writes at each row's slot."""
+    step = make_step(seq_lens, block_size, num_heads, num_kv_heads, head_size,
+                     seed=block_size + head_size + len(seq_lens))
+    out, caches, expected, expected_caches = _run_both(step)
+    assert out.dtype == torch.bfloat16 and out.shape == step.hidden.shape
+    assert max_rel_error(out, expected) < TOLERANCE
+    for cache, expected_cache, original in zip(caches, expected_caches, step.kv_caches):
+        written = cache.view(2, -1, num_kv_heads, head_size)[:, step.slot_mapping]
+        assert not written.isnan().any()
+        assert max_rel_error(written, expected_cache.view(2, -1, num_kv_heads, head_size)
+                             [:, step.slot_mapping]) < TOLERANCE
+        untouched = torch.ones(cache.view(2, -1, num_kv_heads, head_size).shape[1], dtype=torch.bool)
+        untouched[step.slot_mapping] = False
+        torch.testing.assert_close(cache.view(2, -1, num_kv_heads, head_size)[:, untouched],
+                                   original.view(2, -1, num_kv_heads, head_size)[:, untouched],
+                                   rtol=0, atol=0, equal_nan=True)
+
+
+def test_larger_model_dims_and_many_layers() -> None:
+    """SmolLM2-135M's widths (hidden 576, 9 heads of 64 over 3 KV heads, intermediate
+    1536) over six layers: rounding differences stay within the tolerance."""
+    step = make_step([5, 70], 16, 9, 3, 64, hidden=576, inter=1536, num_layers=6, seed=7)
+    out, _, expected, _ = _run_both(step)
+    assert max_rel_error(out, expected) < TOLERANCE
+
+
+def _refused(step: Step, match: str) -> None:
+    with pytest.raises(RuntimeError, match=match):
+        llama_decode_cpu(*step.args([c.clone() for c in step.kv_caches]))
+
+
+def test_bad_operands_are_refused() -> None:
+    """Every index the op follows into memory, and every shape and dtype, is checked
+    before it writes anything."""
+    step = make_step([3, 20], 16, 4, 2, 32, seed=3)
+    _refused(dataclasses.replace(step, weights=step.weights[:-1]),
+             f"need {WEIGHTS_PER_LAYER} weights per layer for 2 KV caches, got 11")
+    bad = list(step.weights)
+    bad[WEIGHTS_PER_LAYER + 2] = bad[WEIGHTS_PER_LAYER + 2].float()
+    _refused(dataclasses.replace(step, weights=bad), "layer 1's o_proj must be contiguous bfloat16")
+    _refused(dataclasses.replace(step, hidden=step.hidden.float()), "hidden must be contiguous bfloat16")
+    num_slots = step.kv_caches[0].shape[1] * step.kv_caches[0].shape[2]
+    _refused(dataclasses.replace(step, slot_mapping=torch.tensor([0, num_slots])),
+             rf"slot_mapping\[1\] = {num_slots} is outside \[0, {num_slots}\)")
+    _refused(dataclasses.replace(step, positions=torch.tensor([-1, 0])),
+             r"positions\[0\] = -1 is outside \[0, ")
+    _refused(dataclasses.replace(step, slot_mapping=step.slot_mapping.int()),
+             "slot_mapping must be int64")
+    bad_table = step.block_table.clone()
+    bad_table[1, 0] = step.kv_caches[0].shape[1]
+    _refused(dataclasses.replace(step, block_table=bad_table), r"block_table\[1, 0\] = \d+ is outside")
+    _refused(dataclasses.replace(step, kv_caches=[step.kv_caches[0], step.kv_caches[1][:, :4]]),
+             "KV cache 1 must be like the first")
