@@ -210,6 +210,9 @@ class ModelRunner:
         if self.device.type == "cpu" and hasattr(model, "pack_weights_"):
             # Before compiling: the compiled graphs call the packed kernels.
             model.pack_weights_()  # type: ignore[operator]
+            if hasattr(model, "fuse_decode_step"):
+                rows = model.fuse_decode_step(kv_caches)  # type: ignore[operator]
+                logger.info("event=fused_decode_step max_rows=%d", rows)
         # Compiled first: the PIECEWISE wrappers go around the compiled pieces
         # (compiling replaces the pieces, which would drop wrappers made before).
         self.compiled_pieces = compile_pieces and self._init_compilation()

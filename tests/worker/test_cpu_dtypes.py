@@ -18,6 +18,8 @@ import torch
 from transformers import AutoTokenizer
 
 from services.worker.config import WorkerConfig
+from services.worker.layers.bf16_linear import Bf16Linear
+from services.worker.layers.packed_linear import PackedLinear
 from services.worker.worker import Worker
 from tests.near_ties import NEAR_TIE_LOGPROB_GAP, assert_equal_up_to_a_near_tie
 from tests.worker.helpers import greedy_request, make_scheduler, run_engine
@@ -41,6 +43,12 @@ def test_greedy_matches_transformers_up_to_near_ties(variant: str, default_model
     worker.load_model()
     worker.initialize_kv_cache()
     assert worker.model_runner.compiled_pieces  # the default CPU worker, compiled
+    if variant == "bfloat16":
+        # Its small decode steps run as one C++ op wherever every layer is on kvmesh's kernel.
+        model = worker.model_runner.model.model
+        linears = [m for m in model.layers.modules()
+                   if isinstance(m, (torch.nn.Linear, PackedLinear, Bf16Linear))]
+        assert (model.fused_decode is not None) == all(isinstance(m, Bf16Linear) for m in linears)
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}],
                                              add_generation_prompt=True, tokenize=True,

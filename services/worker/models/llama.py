@@ -19,6 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
 
+from kernels.cpu_extension import has_cpu_kernel
+from kernels.llama_decode_cpu import llama_decode_cpu
+from kernels.paged_attention_cpu import uses_cpu_kernel
 from services.worker.attention import Attention, AttentionMetadata
 from services.worker.compilation import private_copy
 from services.worker.config import ModelConfig
@@ -39,6 +42,11 @@ _STACKED_PARAMS = (
     (".gate_up_proj.", ".gate_proj.", "gate"),
     (".gate_up_proj.", ".up_proj.", "up"),
 )
+# The fused decode step (``FusedDecodeStep``) serves up to this many requests: it runs
+# each layer's elementwise work on one thread, where the compiled step splits it.
+FUSED_MAX_ROWS = 8
+# ... and in_features that kvmesh's bfloat16 kernel and its vector loops step through.
+FUSED_K_MULTIPLE = 32
 # Each linear layer of a decoder layer: (its module, its name, the checkpoint
 # weights stacked into it by rows, in order).
 _CHECKPOINT_PARTS = (
@@ -145,6 +153,8 @@ class LlamaModel(nn.Module):
         # A decode-only step's whole forward pass, attention included, as one
         # compiled graph (``compile_decode_step``); None: decode steps use the pieces.
         self.decode_step: Callable[..., torch.Tensor] | None = None
+        # The same as one C++ op for up to its max_rows requests (``fuse_decode_step``).
+        self.fused_decode: FusedDecodeStep | None = None
 
     def _make_pieces(self, first: Callable[..., Any], middle: Callable[..., Any],
                      last: Callable[..., Any]) -> list[Callable[..., Any]]:
@@ -180,17 +190,34 @@ class LlamaModel(nn.Module):
         decode_layer = torch.compiler.nested_compile_region(private_copy(_decode_layer))
         self.decode_step = functools.partial(compile_fn(_decode_step), self, decode_layer)
 
+    def fuse_decode_step(self, kv_caches: list[torch.Tensor]) -> bool:
+        """Runs every later decode-only step of up to ``FusedDecodeStep.max_rows``
+        requests as one C++ op (``kernels/llama_decode_cpu.py``), where the model
+        and ``kv_caches`` are what it serves: bfloat16 on the CPU, every linear
+        layer on kvmesh's bfloat16 kernel (``Bf16Linear``, no bias). Returns whether
+        it does. Call after ``pack_weights_``."""
+        self.fused_decode = FusedDecodeStep.of(self, kv_caches)
+        return self.fused_decode is not None
+
+    def _whole_decode_step(self, num_reqs: int) -> Callable[..., torch.Tensor] | None:
+        """What runs a decode-only step of ``num_reqs`` requests whole: the fused op up
+        to its rows, else the compiled graph; None: the pieces do."""
+        if self.fused_decode is not None and num_reqs <= self.fused_decode.max_rows:
+            return self.fused_decode
+        return self.decode_step
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches, need one per layer ({len(self.layers)})")
         num_reqs = attn_metadata.num_reqs
-        if (self.decode_step is not None and attn_metadata.max_query_len == 1
-                and attn_metadata.num_actual_tokens == num_reqs == input_ids.shape[0]):
+        decode_only = (attn_metadata.max_query_len == 1
+                       and attn_metadata.num_actual_tokens == num_reqs == input_ids.shape[0])
+        step = self._whole_decode_step(num_reqs) if decode_only else None
+        if step is not None:
             plan = self.layers[0].self_attn.attn.plan(attn_metadata, kv_caches[0][0])
-            return self.decode_step(input_ids, positions, kv_caches,
-                                    attn_metadata.slot_mapping[:num_reqs],
-                                    plan.decode_block_table, plan.decode_seq_lens)
+            return step(input_ids, positions, kv_caches, attn_metadata.slot_mapping[:num_reqs],
+                        plan.decode_block_table, plan.decode_seq_lens)
         q, k, v, attn_output, residual, cos, sin = self.pieces[0](input_ids, positions)
         for i, layer in enumerate(self.layers):
             layer.self_attn.attn(q, k, v, kv_caches[i], attn_metadata, out=attn_output)
@@ -259,6 +286,55 @@ def _decode_layer(layer: LlamaDecoderLayer, hidden_states: torch.Tensor, residua
     return layer.post_attention(attn_output, residual)
 
 
+@dataclasses.dataclass(frozen=True)
+class FusedDecodeStep:
+    """A decode-only step as ``kvmesh::llama_decode_cpu``: the embedding lookup, then
+    every layer and the final norm in one C++ call. Called like ``LlamaModel``'s
+    compiled ``decode_step``, for up to ``max_rows`` requests."""
+
+    embed_tokens: nn.Embedding
+    cos_sin_cache: torch.Tensor
+    weights: list[torch.Tensor]  # per layer, the op's WEIGHTS_PER_LAYER in its order
+    final_norm: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    eps: float
+    scale: float
+    max_rows: int
+
+    @classmethod
+    def of(cls, model: LlamaModel, kv_caches: list[torch.Tensor]) -> FusedDecodeStep | None:
+        """The fused step where the op serves ``model`` and ``kv_caches``, else None."""
+        parts = [(layer.input_layernorm, layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                  layer.post_attention_layernorm, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                 for layer in model.layers]
+        linears = [m for part in parts for m in part if not isinstance(m, RMSNorm)]
+        if not (has_cpu_kernel("llama_decode_cpu") and kv_caches
+                and all(isinstance(m, Bf16Linear) and m.bias is None
+                        and m.in_features % FUSED_K_MULTIPLE == 0 for m in linears)):
+            return None
+        weights = [m.weight.detach() for part in parts for m in part]
+        attn = model.layers[0].self_attn.attn
+        query = torch.empty(1, attn.num_heads, attn.head_size, dtype=torch.bfloat16)
+        if not (all(t.dtype == torch.bfloat16 and t.device.type == "cpu"
+                    for t in [*weights, model.norm.weight, model.rotary_emb.cos_sin_cache,
+                              *kv_caches])
+                and uses_cpu_kernel(query, kv_caches[0][0])):
+            return None
+        return cls(model.embed_tokens, model.rotary_emb.cos_sin_cache, weights,
+                   model.norm.weight.detach(), attn.num_heads, attn.num_kv_heads,
+                   model.norm.variance_epsilon, attn.scale,
+                   min(FUSED_MAX_ROWS, *(m.max_rows for m in linears)))
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
+                 block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        return llama_decode_cpu(self.embed_tokens(input_ids), positions, self.cos_sin_cache,
+                                self.weights, self.final_norm, kv_caches, slot_mapping,
+                                block_table, seq_lens, self.num_heads, self.num_kv_heads,
+                                self.eps, self.scale)
+
+
 def _attention_output(q: torch.Tensor) -> torch.Tensor:
     # Allocated in the piece before attention (vLLM's attention-with-output), so that
     # under PIECEWISE graphs it is a static buffer the attention call writes in place.
@@ -307,6 +383,11 @@ class LlamaForCausalLM(nn.Module):
                             kv_caches: list[torch.Tensor]) -> None:
         """Compiles decode-only steps whole, attention included (CPU; see ``LlamaModel``)."""
         self.model.compile_decode_step(compile_fn, kv_caches)
+
+    def fuse_decode_step(self, kv_caches: list[torch.Tensor]) -> int:
+        """Runs small decode-only steps as one C++ op where it serves the model (CPU,
+        bfloat16; see ``LlamaModel``); returns up to how many requests, 0 if never."""
+        return self.model.fused_decode.max_rows if self.model.fuse_decode_step(kv_caches) else 0
 
     def compute_logits(self, hidden_states: torch.Tensor,
                        out: torch.Tensor | None = None) -> torch.Tensor:

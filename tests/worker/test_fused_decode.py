@@ -1,0 +1,106 @@
+"""The fused decode step (``FusedDecodeStep`` in services/worker/models/llama.py): a
+bfloat16 CPU model's small decode-only steps as one C++ op, with the logits of the
+eager forward pass, and only where the op serves the model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from kernels import cpu_extension
+from services.worker.layers.bf16_linear import UNBOUNDED_ROWS
+from services.worker.model_loader import load_model
+from services.worker.models import llama
+from tests.worker.test_models import (
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    final_token_ids,
+    make_kv_caches,
+    run_paged_schedule,
+    save_tiny_hf_model,
+)
+
+pytestmark = pytest.mark.skipif(not cpu_extension.has_cpu_kernel("llama_decode_cpu"),
+                                reason="kvmesh's C++ CPU kernels could not be built here")
+# Heads of 32, the smallest the CPU attention kernel serves (tests/worker/test_models.py's
+# TINY has 16).
+HEAD_32 = dict(hidden_size=128, intermediate_size=256, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama-head-32")
+    save_tiny_hf_model(path, transformers.LlamaConfig, **HEAD_32)
+    return path
+
+
+def _packed_model(path: Path, dtype: str, max_rows: int, monkeypatch: pytest.MonkeyPatch):
+    """The model with its CPU kernels as the worker sets them up, kvmesh's bfloat16
+    kernel chosen up to ``max_rows`` rows for every shape (0: oneDNN for all)."""
+    monkeypatch.setattr("services.worker.models.llama.bf16_max_rows_by_shape",
+                        lambda weights: {tuple(w.shape): max_rows for w in weights})
+    model, config = load_model(path, dtype, "cpu")
+    model.pack_weights_()
+    return model, config
+
+
+def test_fused_step_matches_the_eager_forward_pass(tiny_llama: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """SCHEDULE's two decode-only steps (three requests each) take the op; its mixed
+    steps do not. The logits agree with eager, the last step's through the K/V the op
+    wrote the step before."""
+    eager, config = _packed_model(tiny_llama, "bfloat16", UNBOUNDED_ROWS, monkeypatch)
+    fused, _ = _packed_model(tiny_llama, "bfloat16", UNBOUNDED_ROWS, monkeypatch)
+    kv_caches = make_kv_caches(config, NUM_BLOCKS, BLOCK_SIZE)
+    assert fused.fuse_decode_step(kv_caches) == llama.FUSED_MAX_ROWS
+    calls = []
+    op = llama.llama_decode_cpu
+
+    def counted(hidden: torch.Tensor, *args) -> torch.Tensor:
+        calls.append(hidden.shape[0])
+        return op(hidden, *args)
+
+    monkeypatch.setattr(llama, "llama_decode_cpu", counted)
+    token_ids = final_token_ids(config.vocab_size)
+    expected = run_paged_schedule(eager, config, token_ids)
+    actual = run_paged_schedule(fused, config, token_ids, kv_caches=kv_caches)
+    assert calls == [3, 3]
+    for ours, theirs in zip(actual, expected):
+        # The norms and rotations round once per tensor here, per op in eager.
+        torch.testing.assert_close(ours, theirs, atol=0.05, rtol=0)
+
+
+@pytest.mark.parametrize(("dtype", "max_rows", "fused_rows"), [
+    ("bfloat16", 2, 2),  # up to what the layers' kernel serves
+    ("bfloat16", UNBOUNDED_ROWS, llama.FUSED_MAX_ROWS),
+    ("bfloat16", 0, 0),  # oneDNN's layers (or nn.Linear where it cannot pack bfloat16)
+    ("float32", UNBOUNDED_ROWS, 0),  # float32 layers are oneDNN's
+])
+def test_fused_only_where_the_op_serves(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
+                                        dtype: str, max_rows: int, fused_rows: int) -> None:
+    model, config = _packed_model(tiny_llama, dtype, max_rows, monkeypatch)
+    assert model.fuse_decode_step(make_kv_caches(config, NUM_BLOCKS, BLOCK_SIZE)) == fused_rows
+
+
+def test_heads_the_attention_kernel_lacks_are_not_fused(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    save_tiny_hf_model(tmp_path, transformers.LlamaConfig, tie_word_embeddings=True)  # heads of 16
+    model, config = _packed_model(tmp_path, "bfloat16", UNBOUNDED_ROWS, monkeypatch)
+    assert model.fuse_decode_step(make_kv_caches(config, NUM_BLOCKS, BLOCK_SIZE)) == 0
+
+
+def test_more_rows_than_the_op_serves_take_the_pieces(tiny_llama: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the op serving two rows, SCHEDULE's three-request decode steps do not call it."""
+    model, config = _packed_model(tiny_llama, "bfloat16", 2, monkeypatch)
+    kv_caches = make_kv_caches(config, NUM_BLOCKS, BLOCK_SIZE)
+    assert model.fuse_decode_step(kv_caches) == 2
+
+    def refuse(*args) -> torch.Tensor:
+        raise AssertionError("called for more rows than it serves")
+
+    monkeypatch.setattr(llama, "llama_decode_cpu", refuse)
+    run_paged_schedule(model, config, final_token_ids(config.vocab_size), kv_caches=kv_caches)
