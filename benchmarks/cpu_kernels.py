@@ -31,8 +31,11 @@ eight, whichever was faster at one row). Then, for the default model quantized e
 way (int8, w8a8, gguf) in float32, the whole model's step of linear layers at 1 to 512
 rows through the layers' kernels and through dequantize-then-GEMM, and the row
 count the worker would choose (``services/worker/layers/quantized_choice.py``).
-``--choice-only`` prints just those. Last, batched decode: the w8a8 kernel (VNNI)
+``--choice-only`` prints just those. Then batched decode: the w8a8 kernel (VNNI)
 against oneDNN's prepacked bfloat16 linear at 16 to 256 rows of bfloat16 activations.
+Last, the bfloat16 decode step at one row as the worker's fused op runs it
+(``kvmesh::llama_decode_cpu``, all 30 layers in one call) against the same weights'
+120 linears called one by one: the weights' read rate in a whole step.
 
     .venv/bin/python -m benchmarks.cpu_kernels --threads 2 [--choice-only]
 """
@@ -249,6 +252,71 @@ def print_quantized_choice() -> None:
                   f"{by_way[kernel] / by_way[dequantize]:7.2f}", flush=True)
 
 
+def fused_step_operands(num_layers: int = 30, history: int = 64) -> tuple[list, dict]:
+    """SmolLM2-135M's decode step at one row for ``kvmesh::llama_decode_cpu``: random
+    bfloat16 weights (copies, so that each call reads its weights from memory) and the
+    other operands, a ``history``-token context in 16-token blocks."""
+    hidden, inter, heads, kv_heads, head = 576, 1536, 9, 3, 64
+    shapes = [(hidden,), ((heads + 2 * kv_heads) * head, hidden), (hidden, heads * head),
+              (hidden,), (2 * inter, hidden), (hidden, inter)]
+    layer_bytes = sum(2 * torch.Size(shape).numel() for shape in shapes)
+    weight_sets = [[(random_weight(*shape) if len(shape) == 2 else torch.ones(shape)).bfloat16()
+                    for _ in range(num_layers) for shape in shapes]
+                   for _ in range(max(1, -(-COPIES_BYTES // (layer_bytes * num_layers))))]
+    num_blocks = history // 16 + 1
+    operands = dict(
+        hidden=torch.randn(1, hidden).bfloat16(), positions=torch.tensor([history - 1]),
+        cos_sin_cache=torch.randn(history, head).bfloat16(),
+        kv_caches=[torch.randn(2, num_blocks, 16, kv_heads, head).bfloat16()
+                   for _ in range(num_layers)],
+        slot_mapping=torch.tensor([history - 1]),
+        block_table=torch.arange(num_blocks, dtype=torch.int32)[None],
+        seq_lens=torch.tensor([history], dtype=torch.int32))
+    return weight_sets, operands
+
+
+def print_fused_step(repeats: int) -> None:
+    """The bfloat16 decode step at one row as one op (``kvmesh::llama_decode_cpu``, the
+    worker's fused step) against its 120 linears called one after another
+    (``kvmesh::bf16_linear_cpu``), on the same weights, and the read bandwidth measured
+    between their calls: ms per call, GB/s read, and that as a share of the bandwidth."""
+    weight_sets, op = fused_step_operands()
+    matrices = [[w for w in weights if w.dim() == 2] for weights in weight_sets]
+    step_bytes = sum(w.numel() * 2 for w in matrices[0])
+    xs = {w.shape[1]: torch.randn(1, w.shape[1]).bfloat16() for w in matrices[0]}
+    data = torch.ones(BANDWIDTH_BYTES // 4)
+
+    def fused(i: int) -> object:
+        return torch.ops.kvmesh.llama_decode_cpu(
+            op["hidden"], op["positions"], op["cos_sin_cache"], weight_sets[i],
+            weight_sets[i][0], op["kv_caches"], op["slot_mapping"], op["block_table"],
+            op["seq_lens"], 9, 3, 1e-5, 0.125)
+
+    def linears(i: int) -> object:
+        return [torch.ops.kvmesh.bf16_linear_cpu(xs[w.shape[1]], w) for w in matrices[i]]
+
+    # Alternated call by call: the guest's memory speed drifts within minutes. Where
+    # the L3 holds a step's weights there are several sets, and each call reads the
+    # set the other did not just read.
+    calls = {"fused step (llama_decode_cpu)": (fused, step_bytes),
+             "its 120 linears, one call each": (linears, step_bytes),
+             "Tensor.sum (read bandwidth)": (lambda i: data.sum(), data.numel() * 4)}
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for n in range(4 * repeats * len(weight_sets) + 1):
+        for j, (name, (call, _)) in enumerate(calls.items()):
+            start = time.perf_counter()
+            call((n + j) % len(weight_sets))
+            if n:  # the first round warms up
+                times[name].append(time.perf_counter() - start)
+    rates = {name: calls[name][1] / statistics.median(t) / 1e9 for name, t in times.items()}
+    bandwidth = rates["Tensor.sum (read bandwidth)"]
+    print(f"\nbfloat16 decode step at one row, SmolLM2-135M's 30 layers ({step_bytes / 1e6:.0f} MB "
+          "of weights), alternating: ms per call (GB/s read; share of read bandwidth):")
+    for name, seconds in times.items():
+        print(f"  {name:<32} {statistics.median(seconds) * 1e3:6.2f} "
+              f"({rates[name]:4.1f}; {rates[name] / bandwidth:.0%})", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -282,6 +350,8 @@ def main() -> None:
                 cells.append(f"{seconds * 1e6:10.1f} ({num_bytes / seconds / 1e9:4.1f})")
             print(f"{num_rows:>3} " + "".join(f"{c:>18}" for c in cells), flush=True)
     print_w8a8_against_bf16(args.repeats)
+    if has_cpu_kernel("llama_decode_cpu"):
+        print_fused_step(args.repeats)
 
 
 if __name__ == "__main__":

@@ -42,8 +42,9 @@ _STACKED_PARAMS = (
     (".gate_up_proj.", ".gate_proj.", "gate"),
     (".gate_up_proj.", ".up_proj.", "up"),
 )
-# The fused decode step (``FusedDecodeStep``) serves up to this many requests: it runs
-# each layer's elementwise work on one thread, where the compiled step splits it.
+# The fused decode step (``FusedDecodeStep``) serves up to this many requests: measured
+# faster than the compiled step at 1, 4 and 8 (Zen 5, benchmarks/RESULTS.md), not
+# beyond; it runs each layer's elementwise work on one thread.
 FUSED_MAX_ROWS = 8
 # ... and in_features that kvmesh's bfloat16 kernel and its vector loops step through.
 FUSED_K_MULTIPLE = 32
