@@ -13,7 +13,10 @@ Operands, for ``rows`` requests of one new token each:
   cos then sin of each position's angles (``RotaryEmbedding.cos_sin_cache``);
 - ``weights``: per layer, in order, the input norm's [hidden], qkv_proj's
   [(heads + 2 kv_heads) * head_size, hidden], o_proj's, the post-attention norm's,
-  gate_up_proj's [2 intermediate, hidden] and down_proj's; ``final_norm`` [hidden];
+  gate_up_proj's [2 intermediate, hidden] and down_proj's; ``final_norm`` [hidden].
+  A linear layer is one tensor for ``linear`` "bf16" (its bfloat16 weight) and three
+  for "w8a8" (int8 weight, float32 scales and int32 weight sums, as
+  `kernels.int8_dynamic_linear_cpu` takes them: activations quantized per token);
 - ``kv_caches``: per layer, [2, num_blocks, block_size, kv_heads, head_size]; each
   token's K and V are written at its ``slot_mapping`` (int64 [rows]) entry before
   attention reads the cache through ``block_table``/``seq_lens`` (int32, the CPU
@@ -26,20 +29,27 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.int8_dynamic_linear_cpu import int8_dynamic_linear_ref
 from kernels.paged_attention_cpu import decode_attention
 
-WEIGHTS_PER_LAYER = 6  # input norm, qkv, o, post-attention norm, gate_up, down
+# Tensors per linear layer, by ``linear``.
+TENSORS_PER_LINEAR = {"bf16": 1, "w8a8": 3}
+
+
+def weights_per_layer(linear: str) -> int:
+    """Tensors per decoder layer in ``weights``: two norms and four linear layers."""
+    return 2 + 4 * TENSORS_PER_LINEAR[linear]
 
 
 def llama_decode_cpu(hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                      weights: list[torch.Tensor], final_norm: torch.Tensor,
                      kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
                      block_table: torch.Tensor, seq_lens: torch.Tensor, num_heads: int,
-                     num_kv_heads: int, eps: float, scale: float) -> torch.Tensor:
+                     num_kv_heads: int, eps: float, scale: float, linear: str = "bf16") -> torch.Tensor:
     """The C++ op (needs ``has_cpu_kernel("llama_decode_cpu")``); see the module."""
     return torch.ops.kvmesh.llama_decode_cpu(hidden, positions, cos_sin_cache, weights, final_norm,
                                              kv_caches, slot_mapping, block_table, seq_lens,
-                                             num_heads, num_kv_heads, eps, scale)
+                                             num_heads, num_kv_heads, eps, scale, linear)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,15 +64,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).bfloat16()
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(x.float(), weight.float()).bfloat16()
+def _linear(x: torch.Tensor, tensors: list[torch.Tensor]) -> torch.Tensor:
+    if len(tensors) == 1:  # bf16
+        return F.linear(x.float(), tensors[0].float()).bfloat16()
+    qweight, scales, _ = tensors  # w8a8
+    return int8_dynamic_linear_ref(x, qweight, scales)
 
 
 def llama_decode_ref(hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                      weights: list[torch.Tensor], final_norm: torch.Tensor,
                      kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
                      block_table: torch.Tensor, seq_lens: torch.Tensor, num_heads: int,
-                     num_kv_heads: int, eps: float, scale: float) -> torch.Tensor:
+                     num_kv_heads: int, eps: float, scale: float, linear: str = "bf16") -> torch.Tensor:
     """``llama_decode_cpu`` in PyTorch: every tensor the model keeps between ops
     (the residual, the norm before and after its weight, the rotated q and k,
     silu(gate) * up, each product) rounded to bfloat16, the arithmetic float32."""
@@ -70,10 +83,12 @@ def llama_decode_ref(hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cach
     head_size = cos_sin_cache.shape[1]
     q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    n, per_layer = TENSORS_PER_LINEAR[linear], weights_per_layer(linear)
     h, residual = hidden, None
     for layer, kv_cache in enumerate(kv_caches):
-        input_norm, qkv_proj, o_proj, post_norm, gate_up_proj, down_proj = (
-            weights[WEIGHTS_PER_LAYER * layer:WEIGHTS_PER_LAYER * (layer + 1)])
+        w = weights[per_layer * layer:per_layer * (layer + 1)]
+        input_norm, qkv_proj, o_proj = w[0], w[1:1 + n], w[1 + n:1 + 2 * n]
+        post_norm, gate_up_proj, down_proj = w[1 + 2 * n], w[2 + 2 * n:2 + 3 * n], w[2 + 3 * n:]
         residual = h if residual is None else (h.float() + residual.float()).bfloat16()
         q, k, v = _linear(_rms_norm(residual, input_norm, eps), qkv_proj).split(
             [q_size, kv_size, kv_size], dim=-1)

@@ -11,6 +11,19 @@ namespace kvmesh {
 // the fastest path this CPU runs ("auto"). Unchecked.
 void bf16_linear_out(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out);
 
+// int8_dynamic_linear_cpu.cpp: the checks kvmesh::int8_dynamic_linear_cpu makes of its
+// operands (x float32 or bfloat16 [M, K], qweight int8 [N, K], float32 scales and int32
+// weight_sums [N], K a multiple of 64 within the int32 sums' bound).
+void check_int8_dynamic_linear(const at::Tensor& x, const at::Tensor& qweight,
+                               const at::Tensor& scales, const at::Tensor& weight_sums);
+
+// int8_dynamic_linear_cpu.cpp: kvmesh::int8_dynamic_linear_cpu (x quantized to int8 per
+// row, VNNI where the CPU has it) into out [M, N] (contiguous, x's dtype), unchecked:
+// after check_int8_dynamic_linear.
+void int8_dynamic_linear_out(const at::Tensor& x, const at::Tensor& qweight,
+                             const at::Tensor& scales, const at::Tensor& weight_sums,
+                             at::Tensor& out);
+
 // decode_attention_cpu.cpp: the checks kvmesh::decode_attention_cpu makes of its
 // operands (shapes and dtypes it serves, every block id and length in bounds).
 void check_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,

@@ -39,6 +39,7 @@
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 
+#include "decode_kernels.h"
 #include "row_groups.h"
 
 #include <algorithm>
@@ -418,9 +419,35 @@ void int8_dynamic_linear_kernel(const at::Tensor& x, const at::Tensor& qweight,
   });
 }
 
+// The product into out (after the checks): the VNNI path where asked and the CPU has it.
+void run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+         const at::Tensor& weight_sums, bool use_vnni, at::Tensor& out) {
+  if (x.size(0) == 0 || qweight.size(0) == 0) return;
+  if (x.size(1) == 0) {
+    out.zero_();
+    return;
+  }
+  const bool vnni = use_vnni && cpu_has_vnni();
+  if (x.scalar_type() == at::kBFloat16) {
+    int8_dynamic_linear_kernel<at::BFloat16>(x, qweight, scales, weight_sums, vnni, out);
+  } else {
+    int8_dynamic_linear_kernel<float>(x, qweight, scales, weight_sums, vnni, out);
+  }
+}
+
 at::Tensor int8_dynamic_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
                                    const at::Tensor& scales, const at::Tensor& weight_sums,
                                    bool use_vnni) {
+  kvmesh::check_int8_dynamic_linear(x, qweight, scales, weight_sums);
+  auto out = at::empty({x.size(0), qweight.size(0)}, x.options());
+  run(x, qweight, scales, weight_sums, use_vnni, out);
+  return out;
+}
+
+}  // namespace
+
+void kvmesh::check_int8_dynamic_linear(const at::Tensor& x, const at::Tensor& qweight,
+                                       const at::Tensor& scales, const at::Tensor& weight_sums) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
               (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "int8_dynamic_linear_cpu: x must be a contiguous float32 or bfloat16 [M, K], got ",
@@ -442,19 +469,13 @@ at::Tensor int8_dynamic_linear_cpu(const at::Tensor& x, const at::Tensor& qweigh
               weight_sums.scalar_type() == at::kInt,
               "int8_dynamic_linear_cpu: weight_sums must be a contiguous int32 [N=", N, "], got ",
               weight_sums.scalar_type(), " ", weight_sums.sizes());
-  auto out = at::empty({x.size(0), N}, x.options());
-  if (x.size(0) == 0 || N == 0) return out;
-  if (K == 0) return out.zero_();
-  const bool vnni = use_vnni && cpu_has_vnni();
-  if (x.scalar_type() == at::kBFloat16) {
-    int8_dynamic_linear_kernel<at::BFloat16>(x, qweight, scales, weight_sums, vnni, out);
-  } else {
-    int8_dynamic_linear_kernel<float>(x, qweight, scales, weight_sums, vnni, out);
-  }
-  return out;
 }
 
-}  // namespace
+void kvmesh::int8_dynamic_linear_out(const at::Tensor& x, const at::Tensor& qweight,
+                                     const at::Tensor& scales, const at::Tensor& weight_sums,
+                                     at::Tensor& out) {
+  run(x, qweight, scales, weight_sums, /*use_vnni=*/true, out);
+}
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   // weight_sums[n] = sum_k qweight[n, k]; use_vnni=False forces the AVX2 path (tests).

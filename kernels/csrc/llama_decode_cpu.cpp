@@ -13,8 +13,9 @@
 //   [g | u] = x @ gate_up.T; h = (silu(g) * u) @ down.T
 // and the result is norm(h + residual) with the final norm's weight.
 //
-// The products and the attention are the kernels the compiled step calls
-// (decode_kernels.h), so they give the same bits. The elementwise work is float32
+// The linear layers are bfloat16 weights (`linear` "bf16") or w8a8 ones (int8
+// weights, activations quantized per token: "w8a8"); the products and the attention
+// are the kernels the compiled step calls (decode_kernels.h), so they give the same bits. The elementwise work is float32
 // on bfloat16 operands, rounded to bfloat16 once per tensor the model keeps (the
 // residual, the norm before and after its weight, the rotated q/k, silu(g) * u),
 // as the PyTorch reference (kernels/llama_decode_cpu.py) rounds; it is a few
@@ -31,14 +32,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string_view>
 #include <tuple>
 #include <utility>
 
 namespace {
 
 using bf16 = at::BFloat16;
-constexpr int64_t kWeightsPerLayer = 6;  // input norm, qkv, o, post norm, gate_up, down
-constexpr int64_t kKMultiple = 32;  // the linear kernel's step through in_features
+constexpr int64_t kKMultiple = 32;  // the linear kernels' step through in_features
 
 using fVec = at::vec::Vectorized<float>;
 using bVec = at::vec::Vectorized<bf16>;  // twice fVec's lanes
@@ -66,9 +67,65 @@ struct Dims {
   int64_t kv_size() const { return num_kv_heads * head_size; }
 };
 
-// One decoder layer's weights, in kWeightsPerLayer order.
+// How the linear layers' weights are stored and multiplied.
+enum class LinearKind {
+  kBf16,  // bfloat16 [N, K] (bf16_linear_out)
+  kW8a8,  // int8 [N, K], float32 scales [N], int32 weight sums [N] (int8_dynamic_linear_out)
+};
+
+LinearKind linear_kind(c10::string_view name) {
+  const std::string_view kind(name.data(), name.size());
+  TORCH_CHECK(kind == "bf16" || kind == "w8a8", "linear must be bf16 or w8a8, got '", kind, "'");
+  return kind == "bf16" ? LinearKind::kBf16 : LinearKind::kW8a8;
+}
+
+int64_t tensors_per_linear(LinearKind kind) { return kind == LinearKind::kBf16 ? 1 : 3; }
+
+// One linear layer: its kind's tensors, in the order above.
+struct Linear {
+  LinearKind kind;
+  const at::Tensor* tensors;
+
+  // out [rows, N] = x [rows, K] @ weight.T, both contiguous bfloat16.
+  void operator()(const at::Tensor& x, at::Tensor& out) const {
+    if (kind == LinearKind::kBf16) {
+      kvmesh::bf16_linear_out(x, tensors[0], out);
+    } else {
+      kvmesh::int8_dynamic_linear_out(x, tensors[0], tensors[1], tensors[2], out);
+    }
+  }
+
+  // Fails unless the weight is [N, K] and the kernel takes it.
+  void check(int64_t N, int64_t K, int64_t layer, const char* name) const {
+    const at::Tensor& w = tensors[0];
+    const auto dtype = kind == LinearKind::kBf16 ? at::kBFloat16 : at::kChar;
+    TORCH_CHECK(w.scalar_type() == dtype && w.is_contiguous() && w.dim() == 2 &&
+                w.size(0) == N && w.size(1) == K, "layer ", layer, "'s ", name,
+                " must be contiguous ", dtype, " [", N, ", ", K, "], got ", w.scalar_type(), " ",
+                w.sizes());
+    if (kind == LinearKind::kW8a8) {
+      kvmesh::check_int8_dynamic_linear(at::empty({0, K}, w.options().dtype(at::kBFloat16)), w,
+                                        tensors[1], tensors[2]);
+    }
+  }
+};
+
+// One decoder layer's weights. In `weights`, a layer is its input norm, qkv_proj's
+// tensors, o_proj's, the post-attention norm, gate_up_proj's and down_proj's.
 struct Layer {
-  const at::Tensor &input_norm, &qkv, &o, &post_norm, &gate_up, &down;
+  const at::Tensor& input_norm;
+  Linear qkv, o;
+  const at::Tensor& post_norm;
+  Linear gate_up, down;
+
+  static int64_t num_tensors(LinearKind kind) { return 2 + 4 * tensors_per_linear(kind); }
+
+  static Layer of(at::TensorList weights, LinearKind kind, int64_t layer) {
+    const int64_t n = tensors_per_linear(kind);
+    const at::Tensor* w = weights.data() + layer * num_tensors(kind);
+    return {w[0], {kind, w + 1}, {kind, w + 1 + n}, w[1 + 2 * n], {kind, w + 2 + 2 * n},
+            {kind, w + 2 + 3 * n}};
+  }
 };
 
 // residual = h + residual (when `add`, else h), out = norm(residual) * weight, for
@@ -150,7 +207,7 @@ void check_weight(const at::Tensor& w, at::IntArrayRef shape, int64_t layer, con
 
 // Every operand's shape and dtype, and every index into memory, checked once per call.
 Dims check_operands(const at::Tensor& hidden, const at::Tensor& positions,
-                    const at::Tensor& cos_sin_cache, at::TensorList weights,
+                    const at::Tensor& cos_sin_cache, at::TensorList weights, LinearKind kind,
                     const at::Tensor& final_norm, at::TensorList kv_caches,
                     const at::Tensor& slot_mapping, const at::Tensor& block_table,
                     const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads) {
@@ -158,16 +215,17 @@ Dims check_operands(const at::Tensor& hidden, const at::Tensor& positions,
               "hidden must be contiguous bfloat16 [rows, hidden], got ", hidden.scalar_type(), " ",
               hidden.sizes());
   const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
-  TORCH_CHECK(num_layers >= 1 && static_cast<int64_t>(weights.size()) == kWeightsPerLayer * num_layers,
-              "need ", kWeightsPerLayer, " weights per layer for ", num_layers, " KV caches, got ",
-              weights.size());
+  TORCH_CHECK(num_layers >= 1 &&
+              static_cast<int64_t>(weights.size()) == Layer::num_tensors(kind) * num_layers,
+              "need ", Layer::num_tensors(kind), " weights per layer for ", num_layers,
+              " KV caches, got ", weights.size());
   const at::Tensor& cache = kv_caches[0];
   TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.scalar_type() == at::kBFloat16 &&
               cache.is_contiguous() && cache.size(3) == num_kv_heads,
               "each KV cache must be contiguous bfloat16 [2, num_blocks, block_size, ",
               num_kv_heads, ", head_size], got ", cache.scalar_type(), " ", cache.sizes());
   const int64_t rows = hidden.size(0), H = hidden.size(1), head_size = cache.size(4);
-  const int64_t inter = weights[4].size(0) / 2;
+  const int64_t inter = Layer::of(weights, kind, 0).gate_up.tensors[0].size(0) / 2;
   const Dims d{rows, H, num_heads, num_kv_heads, head_size, inter, cache.size(2),
                cache.size(1) * cache.size(2)};
   TORCH_CHECK(H % kKMultiple == 0 && d.q_size() % kKMultiple == 0 && inter % kKMultiple == 0 &&
@@ -178,13 +236,13 @@ Dims check_operands(const at::Tensor& hidden, const at::Tensor& positions,
     TORCH_CHECK(kv_caches[l].sizes() == cache.sizes() && kv_caches[l].is_contiguous() &&
                 kv_caches[l].scalar_type() == at::kBFloat16,
                 "KV cache ", l, " must be like the first, got ", kv_caches[l].sizes());
-    const at::Tensor* w = weights.data() + l * kWeightsPerLayer;
-    check_weight(w[0], {H}, l, "input norm");
-    check_weight(w[1], {d.q_size() + 2 * d.kv_size(), H}, l, "qkv_proj");
-    check_weight(w[2], {H, d.q_size()}, l, "o_proj");
-    check_weight(w[3], {H}, l, "post-attention norm");
-    check_weight(w[4], {2 * inter, H}, l, "gate_up_proj");
-    check_weight(w[5], {H, inter}, l, "down_proj");
+    const Layer layer = Layer::of(weights, kind, l);
+    check_weight(layer.input_norm, {H}, l, "input norm");
+    layer.qkv.check(d.q_size() + 2 * d.kv_size(), H, l, "qkv_proj");
+    layer.o.check(H, d.q_size(), l, "o_proj");
+    check_weight(layer.post_norm, {H}, l, "post-attention norm");
+    layer.gate_up.check(2 * inter, H, l, "gate_up_proj");
+    layer.down.check(H, inter, l, "down_proj");
   }
   check_weight(final_norm, {H}, num_layers, "final norm");
   TORCH_CHECK(cos_sin_cache.dim() == 2 && cos_sin_cache.size(1) == head_size &&
@@ -214,9 +272,11 @@ at::Tensor llama_decode_cpu(const at::Tensor& hidden, const at::Tensor& position
                             const at::Tensor& final_norm, at::TensorList kv_caches,
                             const at::Tensor& slot_mapping, const at::Tensor& block_table,
                             const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads,
-                            double eps, double scale) {
-  const Dims d = check_operands(hidden, positions, cos_sin_cache, weights, final_norm, kv_caches,
-                                slot_mapping, block_table, seq_lens, num_heads, num_kv_heads);
+                            double eps, double scale, c10::string_view linear) {
+  const LinearKind kind = linear_kind(linear);
+  const Dims d = check_operands(hidden, positions, cos_sin_cache, weights, kind, final_norm,
+                                kv_caches, slot_mapping, block_table, seq_lens, num_heads,
+                                num_kv_heads);
   const auto options = hidden.options();
   at::Tensor h = hidden.clone();
   at::Tensor residual = at::empty_like(hidden), x = at::empty_like(hidden);
@@ -228,22 +288,21 @@ at::Tensor llama_decode_cpu(const at::Tensor& hidden, const at::Tensor& position
   const at::Tensor query = qkv.narrow(1, 0, d.q_size()).view({d.rows, num_heads, d.head_size});
   const at::Tensor attn_rows = attn.view({d.rows, d.q_size()});
   for (int64_t l = 0; l < static_cast<int64_t>(kv_caches.size()); ++l) {
-    const at::Tensor* w = weights.data() + l * kWeightsPerLayer;
-    const Layer layer{w[0], w[1], w[2], w[3], w[4], w[5]};
+    const Layer layer = Layer::of(weights, kind, l);
     const at::Tensor& cache = kv_caches[l];
     add_rms_norm(h.data_ptr<bf16>(), residual.data_ptr<bf16>(), layer.input_norm.data_ptr<bf16>(),
                  eps, l > 0, d, x.data_ptr<bf16>());
-    kvmesh::bf16_linear_out(x, layer.qkv, qkv);
+    layer.qkv(x, qkv);
     rotate_and_store(qkv.data_ptr<bf16>(), cos_sin_cache.data_ptr<bf16>(),
                      positions.data_ptr<int64_t>(), slot_mapping.data_ptr<int64_t>(),
                      cache.data_ptr<bf16>(), d);
     kvmesh::decode_attention_out(query, cache[0], cache[1], block_table, seq_lens, scale, attn);
-    kvmesh::bf16_linear_out(attn_rows, layer.o, h);
+    layer.o(attn_rows, h);
     add_rms_norm(h.data_ptr<bf16>(), residual.data_ptr<bf16>(), layer.post_norm.data_ptr<bf16>(),
                  eps, true, d, x.data_ptr<bf16>());
-    kvmesh::bf16_linear_out(x, layer.gate_up, gate_up);
+    layer.gate_up(x, gate_up);
     silu_and_mul(gate_up.data_ptr<bf16>(), d, act.data_ptr<bf16>());
-    kvmesh::bf16_linear_out(act, layer.down, h);
+    layer.down(act, h);
   }
   add_rms_norm(h.data_ptr<bf16>(), residual.data_ptr<bf16>(), final_norm.data_ptr<bf16>(), eps,
                true, d, x.data_ptr<bf16>());
@@ -256,7 +315,7 @@ TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   m.def("llama_decode_cpu(Tensor hidden, Tensor positions, Tensor cos_sin_cache, "
         "Tensor[] weights, Tensor final_norm, Tensor(a!)[] kv_caches, Tensor slot_mapping, "
         "Tensor block_table, Tensor seq_lens, int num_heads, int num_kv_heads, float eps, "
-        "float scale) -> Tensor");
+        "float scale, str linear=\"bf16\") -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {

@@ -1,6 +1,7 @@
 """kvmesh::llama_decode_cpu (kernels/csrc) against its PyTorch reference
-`llama_decode_ref` on random models and paged batches: the output, the K/V it
-writes, every cache slot it must leave alone, and what it refuses."""
+`llama_decode_ref` on random models (bfloat16 and w8a8 linear layers) and paged
+batches: the output, the K/V it writes, every cache slot it must leave alone, and
+what it refuses."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from kernels import cpu_extension
-from kernels.llama_decode_cpu import WEIGHTS_PER_LAYER, llama_decode_cpu, llama_decode_ref
+from kernels.int8_dynamic_linear_cpu import weight_sums
+from kernels.llama_decode_cpu import llama_decode_cpu, llama_decode_ref, weights_per_layer
 from services.worker.layers.rotary_embedding import RotaryEmbedding
 from tests.kernels.test_paged_attention import make_batch, max_rel_error
 from tests.kernels.test_paged_attention_cpu import _poison_unowned_slots
@@ -37,19 +39,29 @@ class Step:
     seq_lens: torch.Tensor
     num_heads: int
     num_kv_heads: int
+    linear: str = "bf16"
     eps: float = 1e-5
 
     def args(self, kv_caches: list[torch.Tensor]) -> tuple:
         head_size = self.cos_sin_cache.shape[1]
         return (self.hidden, self.positions, self.cos_sin_cache, self.weights, self.final_norm,
                 kv_caches, self.slot_mapping, self.block_table, self.seq_lens, self.num_heads,
-                self.num_kv_heads, self.eps, head_size ** -0.5)
+                self.num_kv_heads, self.eps, head_size ** -0.5, self.linear)
+
+
+def _w8a8(weight: torch.Tensor) -> list[torch.Tensor]:
+    """A weight as the w8a8 kernel takes it: int8 per output channel, float32 scales,
+    the int8 rows' sums."""
+    scales = weight.float().abs().amax(dim=1) / 127
+    qweight = torch.round(weight.float() / scales[:, None]).to(torch.int8)
+    return [qweight, scales, weight_sums(qweight)]
 
 
 def _weights(num_layers: int, hidden: int, num_heads: int, num_kv_heads: int, head_size: int,
-             inter: int, gen: torch.Generator) -> list[torch.Tensor]:
-    def rand(*shape: int, scale: float) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * scale).bfloat16()
+             inter: int, linear: str, gen: torch.Generator) -> list[torch.Tensor]:
+    def rand(*shape: int, scale: float) -> list[torch.Tensor]:
+        weight = (torch.randn(*shape, generator=gen) * scale).bfloat16()
+        return [weight] if linear == "bf16" else _w8a8(weight)
 
     def norm() -> torch.Tensor:
         return (1 + torch.randn(hidden, generator=gen) * 0.1).bfloat16()
@@ -57,16 +69,16 @@ def _weights(num_layers: int, hidden: int, num_heads: int, num_kv_heads: int, he
     qkv_rows, q_size = (num_heads + 2 * num_kv_heads) * head_size, num_heads * head_size
     weights = []
     for _ in range(num_layers):
-        weights += [norm(), rand(qkv_rows, hidden, scale=hidden ** -0.5),
-                    rand(hidden, q_size, scale=q_size ** -0.5), norm(),
-                    rand(2 * inter, hidden, scale=hidden ** -0.5),
-                    rand(hidden, inter, scale=inter ** -0.5)]
+        weights += [norm(), *rand(qkv_rows, hidden, scale=hidden ** -0.5),
+                    *rand(hidden, q_size, scale=q_size ** -0.5), norm(),
+                    *rand(2 * inter, hidden, scale=hidden ** -0.5),
+                    *rand(hidden, inter, scale=inter ** -0.5)]
     return weights
 
 
 def make_step(seq_lens: list[int], block_size: int, num_heads: int, num_kv_heads: int,
               head_size: int, hidden: int = 128, inter: int = 256, num_layers: int = 2,
-              seed: int = 0) -> Step:
+              linear: str = "bf16", seed: int = 0) -> Step:
     """One new token per request, at position seq_len - 1; every cache slot no request
     owns is NaN, and so is the slot each new token goes to, until the op writes it."""
     gen = torch.Generator().manual_seed(seed)
@@ -85,9 +97,9 @@ def make_step(seq_lens: list[int], block_size: int, num_heads: int, num_kv_heads
     rotary = RotaryEmbedding(head_size, max(seq_lens) + 8, 10000.0, None, torch.bfloat16)
     return Step(torch.randn(len(seq_lens), hidden, generator=gen).bfloat16(), positions,
                 rotary.cos_sin_cache, _weights(num_layers, hidden, num_heads, num_kv_heads,
-                                               head_size, inter, gen),
+                                               head_size, inter, linear, gen),
                 (1 + torch.randn(hidden, generator=gen) * 0.1).bfloat16(), kv_caches, slots,
-                table, batch.seq_lens, num_heads, num_kv_heads)
+                table, batch.seq_lens, num_heads, num_kv_heads, linear)
 
 
 def _run_both(step: Step) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
@@ -95,14 +107,15 @@ def _run_both(step: Step) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tenso
     return (llama_decode_cpu(*step.args(ours)), ours, llama_decode_ref(*step.args(theirs)), theirs)
 
 
+@pytest.mark.parametrize("linear", ["bf16", "w8a8"])
 @pytest.mark.parametrize(("block_size", "num_heads", "num_kv_heads", "head_size"),
                          [(16, 4, 2, 32), (16, 9, 3, 64), (8, 4, 4, 64), (32, 8, 1, 32)])
 @pytest.mark.parametrize("seq_lens", [[1], [40], [3, 17, 40, 9, 16], [1, 2, 3, 4, 5, 6, 7, 8]])
-def test_op_matches_reference(block_size: int, num_heads: int, num_kv_heads: int,
+def test_op_matches_reference(linear: str, block_size: int, num_heads: int, num_kv_heads: int,
                               head_size: int, seq_lens: list[int]) -> None:
-    """One to eight rows, first tokens and long histories, GQA groups of 1 to 8,
-    partial blocks; the K/V each layer writes at each row's slot."""
-    step = make_step(seq_lens, block_size, num_heads, num_kv_heads, head_size,
+    """Both kinds of linear layer, one to eight rows, first tokens and long histories,
+    GQA groups of 1 to 8, partial blocks; the K/V each layer writes at each row's slot."""
+    step = make_step(seq_lens, block_size, num_heads, num_kv_heads, head_size, linear=linear,
                      seed=block_size + head_size + len(seq_lens))
     out, caches, expected, expected_caches = _run_both(step)
     assert out.dtype == torch.bfloat16 and out.shape == step.hidden.shape
@@ -119,10 +132,12 @@ def test_op_matches_reference(block_size: int, num_heads: int, num_kv_heads: int
                                    rtol=0, atol=0, equal_nan=True)
 
 
-def test_larger_model_dims_and_many_layers() -> None:
+@pytest.mark.parametrize("linear", ["bf16", "w8a8"])
+def test_larger_model_dims_and_many_layers(linear: str) -> None:
     """SmolLM2-135M's widths (hidden 576, 9 heads of 64 over 3 KV heads, intermediate
     1536) over six layers: rounding differences stay within the tolerance."""
-    step = make_step([5, 70], 16, 9, 3, 64, hidden=576, inter=1536, num_layers=6, seed=7)
+    step = make_step([5, 70], 16, 9, 3, 64, hidden=576, inter=1536, num_layers=6,
+                     linear=linear, seed=7)
     out, _, expected, _ = _run_both(step)
     assert max_rel_error(out, expected) < TOLERANCE
 
@@ -136,11 +151,14 @@ def test_bad_operands_are_refused() -> None:
     """Every index the op follows into memory, and every shape and dtype, is checked
     before it writes anything."""
     step = make_step([3, 20], 16, 4, 2, 32, seed=3)
+    per_layer = weights_per_layer("bf16")
     _refused(dataclasses.replace(step, weights=step.weights[:-1]),
-             f"need {WEIGHTS_PER_LAYER} weights per layer for 2 KV caches, got 11")
+             f"need {per_layer} weights per layer for 2 KV caches, got 11")
     bad = list(step.weights)
-    bad[WEIGHTS_PER_LAYER + 2] = bad[WEIGHTS_PER_LAYER + 2].float()
-    _refused(dataclasses.replace(step, weights=bad), "layer 1's o_proj must be contiguous bfloat16")
+    bad[per_layer + 2] = bad[per_layer + 2].float()
+    _refused(dataclasses.replace(step, weights=bad), "layer 1's o_proj must be contiguous BFloat16")
+    _refused(dataclasses.replace(step, linear="int4"), "linear must be bf16 or w8a8, got 'int4'")
+    _refused(dataclasses.replace(step, linear="w8a8"), "need 14 weights per layer")
     _refused(dataclasses.replace(step, hidden=step.hidden.float()), "hidden must be contiguous bfloat16")
     num_slots = step.kv_caches[0].shape[1] * step.kv_caches[0].shape[2]
     _refused(dataclasses.replace(step, slot_mapping=torch.tensor([0, num_slots])),
@@ -154,3 +172,13 @@ def test_bad_operands_are_refused() -> None:
     _refused(dataclasses.replace(step, block_table=bad_table), r"block_table\[1, 0\] = \d+ is outside")
     _refused(dataclasses.replace(step, kv_caches=[step.kv_caches[0], step.kv_caches[1][:, :4]]),
              "KV cache 1 must be like the first")
+
+
+def test_bad_w8a8_weights_are_refused() -> None:
+    step = make_step([3, 20], 16, 4, 2, 32, linear="w8a8", seed=4)
+    bad = list(step.weights)
+    bad[2] = bad[2].double()  # layer 0's qkv_proj scales
+    _refused(dataclasses.replace(step, weights=bad), "scales must be a contiguous float32")
+    bad = list(step.weights)
+    bad[1] = bad[1][:, :64].contiguous()  # qkv_proj's int8 weight, too few columns
+    _refused(dataclasses.replace(step, weights=bad), "layer 0's qkv_proj must be contiguous Char")
