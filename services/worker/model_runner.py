@@ -212,7 +212,7 @@ class ModelRunner:
             model.pack_weights_()  # type: ignore[operator]
             if hasattr(model, "fuse_decode_step"):
                 rows = model.fuse_decode_step(kv_caches)  # type: ignore[operator]
-                logger.info("event=fused_decode_step max_rows=%d", rows)
+                logger.info("event=fused_decode_step max_rows=%d", rows)  # 0: not fused
         # Compiled first: the PIECEWISE wrappers go around the compiled pieces
         # (compiling replaces the pieces, which would drop wrappers made before).
         self.compiled_pieces = compile_pieces and self._init_compilation()

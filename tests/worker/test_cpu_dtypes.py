@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from kernels.cpu_extension import has_cpu_kernel
 from services.worker.config import WorkerConfig
 from services.worker.layers.bf16_linear import Bf16Linear
 from services.worker.layers.packed_linear import PackedLinear
@@ -43,12 +44,14 @@ def test_greedy_matches_transformers_up_to_near_ties(variant: str, default_model
     worker.load_model()
     worker.initialize_kv_cache()
     assert worker.model_runner.compiled_pieces  # the default CPU worker, compiled
+    # Small decode steps run as one C++ op wherever every layer is on kvmesh's kernel.
+    model = worker.model_runner.model.model
     if variant == "bfloat16":
-        # Its small decode steps run as one C++ op wherever every layer is on kvmesh's kernel.
-        model = worker.model_runner.model.model
         linears = [m for m in model.layers.modules()
                    if isinstance(m, (torch.nn.Linear, PackedLinear, Bf16Linear))]
         assert (model.fused_decode is not None) == all(isinstance(m, Bf16Linear) for m in linears)
+    elif variant == "w8a8" and has_cpu_kernel("llama_decode_cpu"):
+        assert model.fused_decode is not None and model.fused_decode.linear == "w8a8"
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}],
                                              add_generation_prompt=True, tokenize=True,

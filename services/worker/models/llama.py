@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from kernels.cpu_extension import has_cpu_kernel
+from kernels.int8_dynamic_linear_cpu import CPU_KERNEL_MAX_K as INT8_DYNAMIC_MAX_K
 from kernels.llama_decode_cpu import llama_decode_cpu
 from kernels.paged_attention_cpu import uses_cpu_kernel
 from services.worker.attention import Attention, AttentionMetadata
@@ -195,8 +196,9 @@ class LlamaModel(nn.Module):
         """Runs every later decode-only step of up to ``FusedDecodeStep.max_rows``
         requests as one C++ op (``kernels/llama_decode_cpu.py``), where the model
         and ``kv_caches`` are what it serves: bfloat16 on the CPU, every linear
-        layer on kvmesh's bfloat16 kernel (``Bf16Linear``, no bias). Returns whether
-        it does. Call after ``pack_weights_``."""
+        layer on kvmesh's bfloat16 kernel (``Bf16Linear``) or every one on its w8a8
+        kernel (``Int8Linear`` with dynamic activations), none with a bias. Returns
+        whether it does. Call after ``pack_weights_``."""
         self.fused_decode = FusedDecodeStep.of(self, kv_caches)
         return self.fused_decode is not None
 
@@ -295,7 +297,8 @@ class FusedDecodeStep:
 
     embed_tokens: nn.Embedding
     cos_sin_cache: torch.Tensor
-    weights: list[torch.Tensor]  # per layer, the op's WEIGHTS_PER_LAYER in its order
+    weights: list[torch.Tensor]  # per layer, the op's tensors in its order
+    linear: str  # the op's kind of linear layer: "bf16" or "w8a8"
     final_norm: torch.Tensor
     num_heads: int
     num_kv_heads: int
@@ -310,22 +313,22 @@ class FusedDecodeStep:
                   layer.post_attention_layernorm, layer.mlp.gate_up_proj, layer.mlp.down_proj)
                  for layer in model.layers]
         linears = [m for part in parts for m in part if not isinstance(m, RMSNorm)]
-        if not (has_cpu_kernel("llama_decode_cpu") and kv_caches
-                and all(isinstance(m, Bf16Linear) and m.bias is None
-                        and m.in_features % FUSED_K_MULTIPLE == 0 for m in linears)):
-            return None
-        weights = [m.weight.detach() for part in parts for m in part]
+        linear = _fused_linear_kind(linears)
         attn = model.layers[0].self_attn.attn
         query = torch.empty(1, attn.num_heads, attn.head_size, dtype=torch.bfloat16)
-        if not (all(t.dtype == torch.bfloat16 and t.device.type == "cpu"
-                    for t in [*weights, model.norm.weight, model.rotary_emb.cos_sin_cache,
-                              *kv_caches])
+        norms = [m.weight for part in parts for m in part if isinstance(m, RMSNorm)]
+        if not (linear is not None and has_cpu_kernel("llama_decode_cpu") and kv_caches
+                and all(t.dtype == torch.bfloat16 and t.device.type == "cpu"
+                        for t in [*norms, model.norm.weight, model.rotary_emb.cos_sin_cache,
+                                  *kv_caches])
                 and uses_cpu_kernel(query, kv_caches[0][0])):
             return None
-        return cls(model.embed_tokens, model.rotary_emb.cos_sin_cache, weights,
+        weights = [t for part in parts for m in part for t in _fused_tensors(m)]
+        max_rows = min(FUSED_MAX_ROWS, *(m.max_rows if isinstance(m, Bf16Linear)
+                                         else m.kernel_max_rows for m in linears))
+        return cls(model.embed_tokens, model.rotary_emb.cos_sin_cache, weights, linear,
                    model.norm.weight.detach(), attn.num_heads, attn.num_kv_heads,
-                   model.norm.variance_epsilon, attn.scale,
-                   min(FUSED_MAX_ROWS, *(m.max_rows for m in linears)))
+                   model.norm.variance_epsilon, attn.scale, max_rows)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
@@ -333,7 +336,30 @@ class FusedDecodeStep:
         return llama_decode_cpu(self.embed_tokens(input_ids), positions, self.cos_sin_cache,
                                 self.weights, self.final_norm, kv_caches, slot_mapping,
                                 block_table, seq_lens, self.num_heads, self.num_kv_heads,
-                                self.eps, self.scale)
+                                self.eps, self.scale, self.linear)
+
+
+def _fused_linear_kind(linears: list[nn.Module]) -> str | None:
+    """The fused op's kind for ``linears``: "bf16" where each is on kvmesh's bfloat16
+    kernel, "w8a8" where each is on its w8a8 kernel; None otherwise (or with a bias)."""
+    if not all(getattr(m, "bias", None) is None and m.in_features % FUSED_K_MULTIPLE == 0
+               for m in linears):
+        return None
+    if all(isinstance(m, Bf16Linear) for m in linears):
+        return "bf16"
+    if all(isinstance(m, Int8Linear) and m.dynamic_activations and m.has_kernel
+           and m.in_features <= INT8_DYNAMIC_MAX_K for m in linears):
+        return "w8a8"
+    return None
+
+
+def _fused_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """A norm's or linear layer's tensors as the fused op takes them."""
+    if isinstance(module, RMSNorm):
+        return [module.weight.detach()]
+    if isinstance(module, Bf16Linear):
+        return [module.weight]
+    return [module.qweight, module.float_scales, module.weight_sums]  # w8a8
 
 
 def _attention_output(q: torch.Tensor) -> torch.Tensor:
