@@ -8,6 +8,7 @@ file only root and the owner can read, never on the server's command line.
 
 from __future__ import annotations
 
+import random
 import re
 import shutil
 import socket
@@ -21,9 +22,42 @@ import redis
 from services.common.process import with_parent_death_signal
 
 
+# Where free_port looks: above the well-known and registered ports most services use,
+# below the kernel's ephemeral range (read from Linux, else its default).
+_FIRST_PORT = 10000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_handed_out: set[int] = set()
+
+
+def _first_ephemeral_port() -> int:
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """Returns a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """Returns a TCP port on 127.0.0.1 that was free a moment ago, for a server that
+    binds it next.
+
+    Below the kernel's ephemeral range, where the kernel never puts the local end of
+    an outgoing connection: a port it handed out for ``bind(0)`` could be taken by
+    any connection on the machine before the server binds it. Never the same port
+    twice in a process, so servers started together do not race for one.
+    """
+    below = _first_ephemeral_port()
+    for _ in range(200 if below > _FIRST_PORT else 0):
+        port = random.randrange(_FIRST_PORT, below)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # none left below
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
