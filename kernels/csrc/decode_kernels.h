@@ -17,6 +17,11 @@ void bf16_linear_out(const at::Tensor& x, const at::Tensor& weight, at::Tensor& 
 void check_int8_dynamic_linear(const at::Tensor& x, const at::Tensor& qweight,
                                const at::Tensor& scales, const at::Tensor& weight_sums);
 
+// int8_dynamic_linear_cpu.cpp: the part of check_int8_dynamic_linear about the weight,
+// for activations with K columns.
+void check_int8_dynamic_weight(const at::Tensor& qweight, const at::Tensor& scales,
+                               const at::Tensor& weight_sums, int64_t K);
+
 // int8_dynamic_linear_cpu.cpp: kvmesh::int8_dynamic_linear_cpu (x quantized to int8 per
 // row, VNNI where the CPU has it) into out [M, N] (contiguous, x's dtype), unchecked:
 // after check_int8_dynamic_linear.

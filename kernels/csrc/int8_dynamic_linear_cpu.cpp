@@ -452,10 +452,15 @@ void kvmesh::check_int8_dynamic_linear(const at::Tensor& x, const at::Tensor& qw
               (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "int8_dynamic_linear_cpu: x must be a contiguous float32 or bfloat16 [M, K], got ",
               x.scalar_type(), " ", x.sizes());
+  kvmesh::check_int8_dynamic_weight(qweight, scales, weight_sums, x.size(1));
+}
+
+void kvmesh::check_int8_dynamic_weight(const at::Tensor& qweight, const at::Tensor& scales,
+                                       const at::Tensor& weight_sums, int64_t K) {
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == at::kChar,
               "int8_dynamic_linear_cpu: qweight must be a contiguous int8 [N, K], got ",
               qweight.scalar_type(), " ", qweight.sizes());
-  const int64_t K = x.size(1), N = qweight.size(0);
+  const int64_t N = qweight.size(0);
   TORCH_CHECK(qweight.size(1) == K, "int8_dynamic_linear_cpu: qweight has K=", qweight.size(1),
               ", x has K=", K);
   TORCH_CHECK(K % kKMultiple == 0 && K <= kMaxK, "int8_dynamic_linear_cpu: K=", K,

@@ -104,8 +104,7 @@ struct Linear {
                 " must be contiguous ", dtype, " [", N, ", ", K, "], got ", w.scalar_type(), " ",
                 w.sizes());
     if (kind == LinearKind::kW8a8) {
-      kvmesh::check_int8_dynamic_linear(at::empty({0, K}, w.options().dtype(at::kBFloat16)), w,
-                                        tensors[1], tensors[2]);
+      kvmesh::check_int8_dynamic_weight(w, tensors[1], tensors[2], K);
     }
   }
 };

@@ -13,6 +13,7 @@ import torch
 from kernels import cpu_extension
 from kernels.int8_dynamic_linear_cpu import weight_sums
 from kernels.llama_decode_cpu import llama_decode_cpu, llama_decode_ref, weights_per_layer
+from services.worker.layers.quantization import quantize_per_channel_int8
 from services.worker.layers.rotary_embedding import RotaryEmbedding
 from tests.kernels.test_paged_attention import make_batch, max_rel_error
 from tests.kernels.test_paged_attention_cpu import _poison_unowned_slots
@@ -50,10 +51,9 @@ class Step:
 
 
 def _w8a8(weight: torch.Tensor) -> list[torch.Tensor]:
-    """A weight as the w8a8 kernel takes it: int8 per output channel, float32 scales,
-    the int8 rows' sums."""
-    scales = weight.float().abs().amax(dim=1) / 127
-    qweight = torch.round(weight.float() / scales[:, None]).to(torch.int8)
+    """A weight as the w8a8 kernel takes it: int8 per output channel (as the worker
+    quantizes), float32 scales, the int8 rows' sums."""
+    qweight, scales = quantize_per_channel_int8(weight)
     return [qweight, scales, weight_sums(qweight)]
 
 
