@@ -14,9 +14,11 @@ Operands, for ``rows`` requests of one new token each:
 - ``weights``: per layer, in order, the input norm's [hidden], qkv_proj's
   [(heads + 2 kv_heads) * head_size, hidden], o_proj's, the post-attention norm's,
   gate_up_proj's [2 intermediate, hidden] and down_proj's; ``final_norm`` [hidden].
-  A linear layer is one tensor for ``linear`` "bf16" (its bfloat16 weight) and three
+  A linear layer is one tensor for ``linear`` "bf16" (its bfloat16 weight), three
   for "w8a8" (int8 weight, float32 scales and int32 weight sums, as
-  `kernels.int8_dynamic_linear_cpu` takes them: activations quantized per token);
+  `kernels.int8_dynamic_linear_cpu` takes them: activations quantized per token) and
+  two for "gguf" (its uint8 GGUF blocks as `kernels.gguf_linear_cpu` takes them, in
+  the file's rows or packed by eight, and ``gguf_format``'s tensor saying which);
 - ``kv_caches``: per layer, [2, num_blocks, block_size, kv_heads, head_size]; each
   token's K and V are written at its ``slot_mapping`` (int64 [rows]) entry before
   attention reads the cache through ``block_table``/``seq_lens`` (int32, the CPU
@@ -29,16 +31,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.gguf_linear_cpu import gguf_linear_ref, unpack_rows
 from kernels.int8_dynamic_linear_cpu import int8_dynamic_linear_ref
 from kernels.paged_attention_cpu import decode_attention
 
 # Tensors per linear layer, by ``linear``.
-TENSORS_PER_LINEAR = {"bf16": 1, "w8a8": 3}
+TENSORS_PER_LINEAR = {"bf16": 1, "w8a8": 3, "gguf": 2}
 
 
 def weights_per_layer(linear: str) -> int:
     """Tensors per decoder layer in ``weights``: two norms and four linear layers."""
     return 2 + 4 * TENSORS_PER_LINEAR[linear]
+
+
+def gguf_format(quant_type: int, packed: bool) -> torch.Tensor:
+    """A "gguf" linear layer's second tensor: int64 [2], its blocks' GGML quant type
+    (Q4_0, Q4_1 or Q8_0) and 1 where its rows are packed by eight (``pack_rows``)."""
+    return torch.tensor([int(quant_type), int(packed)], dtype=torch.int64)
 
 
 def llama_decode_cpu(hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -64,11 +73,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).bfloat16()
 
 
-def _linear(x: torch.Tensor, tensors: list[torch.Tensor]) -> torch.Tensor:
-    if len(tensors) == 1:  # bf16
+def _linear(x: torch.Tensor, tensors: list[torch.Tensor], linear: str) -> torch.Tensor:
+    if linear == "bf16":
         return F.linear(x.float(), tensors[0].float()).bfloat16()
-    qweight, scales, _ = tensors  # w8a8
-    return int8_dynamic_linear_ref(x, qweight, scales)
+    if linear == "w8a8":
+        qweight, scales, _ = tensors
+        return int8_dynamic_linear_ref(x, qweight, scales)
+    blocks, (quant_type, packed) = tensors[0], tensors[1].tolist()
+    return gguf_linear_ref(x, unpack_rows(blocks, quant_type) if packed else blocks, quant_type)
 
 
 def llama_decode_ref(hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -90,7 +102,7 @@ def llama_decode_ref(hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cach
         input_norm, qkv_proj, o_proj = w[0], w[1:1 + n], w[1 + n:1 + 2 * n]
         post_norm, gate_up_proj, down_proj = w[1 + 2 * n], w[2 + 2 * n:2 + 3 * n], w[2 + 3 * n:]
         residual = h if residual is None else (h.float() + residual.float()).bfloat16()
-        q, k, v = _linear(_rms_norm(residual, input_norm, eps), qkv_proj).split(
+        q, k, v = _linear(_rms_norm(residual, input_norm, eps), qkv_proj, linear).split(
             [q_size, kv_size, kv_size], dim=-1)
         q = _rotate(q.reshape(rows, num_heads, head_size), cos, sin)
         k = _rotate(k.reshape(rows, num_kv_heads, head_size), cos, sin)
@@ -98,7 +110,9 @@ def llama_decode_ref(hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cach
         cache[0, slot_mapping] = k
         cache[1, slot_mapping] = v.reshape(rows, num_kv_heads, head_size)
         attn = decode_attention(q, kv_cache[0], kv_cache[1], block_table, seq_lens, scale)
-        residual = (_linear(attn.reshape(rows, q_size), o_proj).float() + residual.float()).bfloat16()
-        gate, up = _linear(_rms_norm(residual, post_norm, eps), gate_up_proj).float().chunk(2, dim=-1)
-        h = _linear((F.silu(gate) * up).bfloat16(), down_proj)
+        attn_out = _linear(attn.reshape(rows, q_size), o_proj, linear)
+        residual = (attn_out.float() + residual.float()).bfloat16()
+        gate_up = _linear(_rms_norm(residual, post_norm, eps), gate_up_proj, linear)
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        h = _linear((F.silu(gate) * up).bfloat16(), down_proj, linear)
     return _rms_norm((h.float() + residual.float()).bfloat16(), final_norm, eps)

@@ -29,6 +29,17 @@ void int8_dynamic_linear_out(const at::Tensor& x, const at::Tensor& qweight,
                              const at::Tensor& scales, const at::Tensor& weight_sums,
                              at::Tensor& out);
 
+// gguf_linear_cpu.cpp: the checks kvmesh::gguf_linear_cpu (packed: gguf_linear_packed_cpu)
+// makes of qweight for activations with K columns: uint8 [N, K / 32 * block bytes] of
+// quant_type (2 Q4_0, 3 Q4_1 or 8 Q8_0), N a multiple of 8 where packed.
+void check_gguf_weight(const at::Tensor& qweight, int64_t quant_type, bool packed, int64_t K);
+
+// gguf_linear_cpu.cpp: either op (VNNI where the CPU has it) into out [M, N]
+// (contiguous, x's dtype) for x [M, K] contiguous float32 or bfloat16, M, N, K > 0,
+// unchecked: after check_gguf_weight.
+void gguf_linear_out(const at::Tensor& x, const at::Tensor& qweight, int64_t quant_type,
+                     bool packed, at::Tensor& out);
+
 // decode_attention_cpu.cpp: the checks kvmesh::decode_attention_cpu makes of its
 // operands (shapes and dtypes it serves, every block id and length in bounds).
 void check_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,

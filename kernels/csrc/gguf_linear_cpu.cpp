@@ -29,6 +29,7 @@
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 
+#include "decode_kernels.h"
 #include "row_groups.h"
 
 #include <algorithm>
@@ -665,59 +666,79 @@ void gguf_linear_packed_kernel(const at::Tensor& x, const at::Tensor& packed, in
   });
 }
 
-// The operands both layouts share: x, qweight's dtype and bytes per row.
-void check_operands(const char* op, const at::Tensor& x, const at::Tensor& qweight,
-                    int64_t quant_type) {
-  const int64_t bytes = block_bytes(quant_type);
-  TORCH_CHECK(bytes != 0, op, ": quant_type must be 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), got ",
-              quant_type);
+void check_x(const char* op, const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
               (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               op, ": x must be a contiguous float32 or bfloat16 [M, K], got ",
               x.scalar_type(), " ", x.sizes());
   TORCH_CHECK(x.size(1) % kBlock == 0, op, ": x's K=", x.size(1), " must be a multiple of ",
               kBlock);
+}
+
+// The weight for activations of K columns: its dtype, bytes per row and (packed) rows.
+void check_weight(const char* op, const at::Tensor& qweight, int64_t quant_type, bool packed,
+                  int64_t K) {
+  const int64_t bytes = block_bytes(quant_type);
+  TORCH_CHECK(bytes != 0, op, ": quant_type must be 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), got ",
+              quant_type);
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == at::kByte,
               op, ": qweight must be a contiguous uint8 [N, K / 32 * block_bytes], got ",
               qweight.scalar_type(), " ", qweight.sizes());
-  TORCH_CHECK(qweight.size(1) == x.size(1) / kBlock * bytes, op, ": qweight has ",
-              qweight.size(1), " bytes per row; K=", x.size(1), " needs ",
-              x.size(1) / kBlock * bytes, " for quant_type ", quant_type);
+  TORCH_CHECK(qweight.size(1) == K / kBlock * bytes, op, ": qweight has ", qweight.size(1),
+              " bytes per row; K=", K, " needs ", K / kBlock * bytes, " for quant_type ",
+              quant_type);
+  TORCH_CHECK(!packed || qweight.size(0) % kPackRows == 0, op, ": packed has ", qweight.size(0),
+              " rows; it must be a multiple of ", kPackRows);
+}
+
+// out [M, N] = x @ W.T on either layout and path, after the checks; M, N, K > 0.
+void run(const at::Tensor& x, const at::Tensor& qweight, int64_t quant_type, bool packed,
+         bool vnni, at::Tensor& out) {
+  if (x.scalar_type() == at::kBFloat16) {
+    packed ? gguf_linear_packed_kernel<at::BFloat16>(x, qweight, quant_type, vnni, out)
+           : gguf_linear_kernel<at::BFloat16>(x, qweight, quant_type, vnni, out);
+  } else {
+    packed ? gguf_linear_packed_kernel<float>(x, qweight, quant_type, vnni, out)
+           : gguf_linear_kernel<float>(x, qweight, quant_type, vnni, out);
+  }
+}
+
+at::Tensor gguf_linear_op(const char* op, const at::Tensor& x, const at::Tensor& qweight,
+                          int64_t quant_type, bool packed, bool use_vnni) {
+  check_x(op, x);
+  check_weight(op, qweight, quant_type, packed, x.size(1));
+  auto out = at::empty({x.size(0), qweight.size(0)}, x.options());
+  if (x.size(0) == 0 || qweight.size(0) == 0) return out;
+  if (x.size(1) == 0) return out.zero_();
+  run(x, qweight, quant_type, packed, use_vnni && cpu_has_vnni(), out);
+  return out;
 }
 
 at::Tensor gguf_linear_packed_cpu(const at::Tensor& x, const at::Tensor& packed,
                                   int64_t quant_type, bool use_vnni) {
-  check_operands("gguf_linear_packed_cpu", x, packed, quant_type);
-  TORCH_CHECK(packed.size(0) % kPackRows == 0, "gguf_linear_packed_cpu: packed has ",
-              packed.size(0), " rows; it must be a multiple of ", kPackRows);
-  auto out = at::empty({x.size(0), packed.size(0)}, x.options());
-  if (x.size(0) == 0 || packed.size(0) == 0) return out;
-  if (x.size(1) == 0) return out.zero_();
-  const bool vnni = use_vnni && cpu_has_vnni();
-  if (x.scalar_type() == at::kBFloat16) {
-    gguf_linear_packed_kernel<at::BFloat16>(x, packed, quant_type, vnni, out);
-  } else {
-    gguf_linear_packed_kernel<float>(x, packed, quant_type, vnni, out);
-  }
-  return out;
+  return gguf_linear_op("gguf_linear_packed_cpu", x, packed, quant_type, true, use_vnni);
 }
 
 at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, int64_t quant_type,
                            bool use_vnni) {
-  check_operands("gguf_linear_cpu", x, qweight, quant_type);
-  auto out = at::empty({x.size(0), qweight.size(0)}, x.options());
-  if (x.size(0) == 0 || qweight.size(0) == 0) return out;
-  if (x.size(1) == 0) return out.zero_();
-  const bool vnni = use_vnni && cpu_has_vnni();
-  if (x.scalar_type() == at::kBFloat16) {
-    gguf_linear_kernel<at::BFloat16>(x, qweight, quant_type, vnni, out);
-  } else {
-    gguf_linear_kernel<float>(x, qweight, quant_type, vnni, out);
-  }
-  return out;
+  return gguf_linear_op("gguf_linear_cpu", x, qweight, quant_type, false, use_vnni);
 }
 
 }  // namespace
+
+namespace kvmesh {
+
+void check_gguf_weight(const at::Tensor& qweight, int64_t quant_type, bool packed, int64_t K) {
+  check_weight(packed ? "gguf_linear_packed_cpu" : "gguf_linear_cpu", qweight, quant_type, packed,
+               K);
+}
+
+void gguf_linear_out(const at::Tensor& x, const at::Tensor& qweight, int64_t quant_type,
+                     bool packed, at::Tensor& out) {
+  run(x, qweight, quant_type, packed, cpu_has_vnni(), out);
+}
+
+}  // namespace kvmesh
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   // use_vnni=False forces the AVX2 path (tests, benchmarks).

@@ -13,9 +13,11 @@
 //   [g | u] = x @ gate_up.T; h = (silu(g) * u) @ down.T
 // and the result is norm(h + residual) with the final norm's weight.
 //
-// The linear layers are bfloat16 weights (`linear` "bf16") or w8a8 ones (int8
-// weights, activations quantized per token: "w8a8"); the products and the attention
-// are the kernels the compiled step calls (decode_kernels.h), so they give the same bits. The elementwise work is float32
+// The linear layers are bfloat16 weights (`linear` "bf16"), w8a8 ones (int8
+// weights, activations quantized per token: "w8a8") or a GGUF's own blocks (Q4_0,
+// Q4_1 or Q8_0 per layer, activations quantized per block: "gguf"); the products and
+// the attention are the kernels the compiled step calls (decode_kernels.h), so they
+// give the same bits. The elementwise work is float32
 // on bfloat16 operands, rounded to bfloat16 once per tensor the model keeps (the
 // residual, the norm before and after its weight, the rotated q/k, silu(g) * u),
 // as the PyTorch reference (kernels/llama_decode_cpu.py) rounds; it is a few
@@ -71,15 +73,26 @@ struct Dims {
 enum class LinearKind {
   kBf16,  // bfloat16 [N, K] (bf16_linear_out)
   kW8a8,  // int8 [N, K], float32 scales [N], int32 weight sums [N] (int8_dynamic_linear_out)
+  kGguf,  // uint8 blocks [N, K / 32 * block bytes], int64 [2]: the blocks' GGML quant type
+          // and whether the rows are packed by eight (gguf_linear_out)
 };
 
 LinearKind linear_kind(c10::string_view name) {
   const std::string_view kind(name.data(), name.size());
-  TORCH_CHECK(kind == "bf16" || kind == "w8a8", "linear must be bf16 or w8a8, got '", kind, "'");
-  return kind == "bf16" ? LinearKind::kBf16 : LinearKind::kW8a8;
+  TORCH_CHECK(kind == "bf16" || kind == "w8a8" || kind == "gguf",
+              "linear must be bf16, w8a8 or gguf, got '", kind, "'");
+  return kind == "bf16"   ? LinearKind::kBf16
+         : kind == "w8a8" ? LinearKind::kW8a8
+                          : LinearKind::kGguf;
 }
 
-int64_t tensors_per_linear(LinearKind kind) { return kind == LinearKind::kBf16 ? 1 : 3; }
+int64_t tensors_per_linear(LinearKind kind) {
+  switch (kind) {
+    case LinearKind::kBf16: return 1;
+    case LinearKind::kW8a8: return 3;
+    default: return 2;
+  }
+}
 
 // One linear layer: its kind's tensors, in the order above.
 struct Linear {
@@ -88,16 +101,25 @@ struct Linear {
 
   // out [rows, N] = x [rows, K] @ weight.T, both contiguous bfloat16.
   void operator()(const at::Tensor& x, at::Tensor& out) const {
-    if (kind == LinearKind::kBf16) {
-      kvmesh::bf16_linear_out(x, tensors[0], out);
-    } else {
-      kvmesh::int8_dynamic_linear_out(x, tensors[0], tensors[1], tensors[2], out);
+    switch (kind) {
+      case LinearKind::kBf16: kvmesh::bf16_linear_out(x, tensors[0], out); break;
+      case LinearKind::kW8a8:
+        kvmesh::int8_dynamic_linear_out(x, tensors[0], tensors[1], tensors[2], out);
+        break;
+      case LinearKind::kGguf: {
+        const int64_t* format = tensors[1].data_ptr<int64_t>();
+        kvmesh::gguf_linear_out(x, tensors[0], format[0], format[1] != 0, out);
+      }
     }
   }
 
   // Fails unless the weight is [N, K] and the kernel takes it.
   void check(int64_t N, int64_t K, int64_t layer, const char* name) const {
     const at::Tensor& w = tensors[0];
+    if (kind == LinearKind::kGguf) {
+      check_gguf(N, K, layer, name);
+      return;
+    }
     const auto dtype = kind == LinearKind::kBf16 ? at::kBFloat16 : at::kChar;
     TORCH_CHECK(w.scalar_type() == dtype && w.is_contiguous() && w.dim() == 2 &&
                 w.size(0) == N && w.size(1) == K, "layer ", layer, "'s ", name,
@@ -106,6 +128,21 @@ struct Linear {
     if (kind == LinearKind::kW8a8) {
       kvmesh::check_int8_dynamic_weight(w, tensors[1], tensors[2], K);
     }
+  }
+
+  void check_gguf(int64_t N, int64_t K, int64_t layer, const char* name) const {
+    const at::Tensor& format = tensors[1];
+    TORCH_CHECK(format.scalar_type() == at::kLong && format.dim() == 1 && format.size(0) == 2 &&
+                format.is_contiguous(), "layer ", layer, "'s ", name,
+                " format must be int64 [2] (quant type, packed), got ", format.scalar_type(), " ",
+                format.sizes());
+    const int64_t* values = format.data_ptr<int64_t>();
+    const int64_t quant_type = values[0], packed = values[1];
+    TORCH_CHECK(packed == 0 || packed == 1, "layer ", layer, "'s ", name,
+                " format's packed must be 0 or 1, got ", packed);
+    TORCH_CHECK(tensors[0].dim() == 2 && tensors[0].size(0) == N, "layer ", layer, "'s ", name,
+                " must have ", N, " rows of blocks, got ", tensors[0].sizes());
+    kvmesh::check_gguf_weight(tensors[0], quant_type, packed == 1, K);
   }
 };
 

@@ -1,18 +1,22 @@
 """kvmesh::llama_decode_cpu (kernels/csrc) against its PyTorch reference
-`llama_decode_ref` on random models (bfloat16 and w8a8 linear layers) and paged
-batches: the output, the K/V it writes, every cache slot it must leave alone, and
+`llama_decode_ref` on random models (bfloat16, w8a8 and GGUF-block linear layers) and
+paged batches: the output, the K/V it writes, every cache slot it must leave alone, and
 what it refuses."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Callable
 
 import pytest
 import torch
 
-from kernels import cpu_extension
+from kernels import cpu_extension, gguf_quants
+from kernels.gguf_linear_cpu import pack_rows
+from kernels.gguf_quants import GGMLQuantizationType
 from kernels.int8_dynamic_linear_cpu import weight_sums
-from kernels.llama_decode_cpu import llama_decode_cpu, llama_decode_ref, weights_per_layer
+from kernels.llama_decode_cpu import gguf_format, llama_decode_cpu, llama_decode_ref, weights_per_layer
 from services.worker.layers.quantization import quantize_per_channel_int8
 from services.worker.layers.rotary_embedding import RotaryEmbedding
 from tests.kernels.test_paged_attention import make_batch, max_rel_error
@@ -23,6 +27,12 @@ pytestmark = pytest.mark.skipif(not cpu_extension.has_cpu_kernel("llama_decode_c
 # Relative to the reference, which sums each product in another order: a bfloat16
 # value may round to its neighbour, and that passes on through the layers.
 TOLERANCE = 2e-2
+LINEARS = pytest.mark.parametrize("linear", ["bf16", "w8a8", "gguf"])
+# A "gguf" model's linear layers take these (quant type, packed by eight) in turn, so
+# that one model mixes every format, as a GGUF file may.
+GGUF_FORMATS = [(GGMLQuantizationType.Q4_1, True), (GGMLQuantizationType.Q4_0, False),
+                (GGMLQuantizationType.Q8_0, True), (GGMLQuantizationType.Q4_1, False),
+                (GGMLQuantizationType.Q4_0, True), (GGMLQuantizationType.Q8_0, False)]
 
 
 @dataclasses.dataclass
@@ -57,11 +67,23 @@ def _w8a8(weight: torch.Tensor) -> list[torch.Tensor]:
     return [qweight, scales, weight_sums(qweight)]
 
 
+def _gguf_formats() -> Callable[[torch.Tensor], list[torch.Tensor]]:
+    """Weights -> their GGUF blocks and ``gguf_format``, each call in the next format."""
+    formats = itertools.cycle(GGUF_FORMATS)
+
+    def gguf(weight: torch.Tensor) -> list[torch.Tensor]:
+        quant_type, packed = next(formats)
+        blocks = gguf_quants.quantize(weight.float(), quant_type)
+        return [pack_rows(blocks, quant_type) if packed else blocks, gguf_format(quant_type, packed)]
+    return gguf
+
+
 def _weights(num_layers: int, hidden: int, num_heads: int, num_kv_heads: int, head_size: int,
              inter: int, linear: str, gen: torch.Generator) -> list[torch.Tensor]:
+    as_linear = {"bf16": lambda weight: [weight], "w8a8": _w8a8, "gguf": _gguf_formats()}[linear]
+
     def rand(*shape: int, scale: float) -> list[torch.Tensor]:
-        weight = (torch.randn(*shape, generator=gen) * scale).bfloat16()
-        return [weight] if linear == "bf16" else _w8a8(weight)
+        return as_linear((torch.randn(*shape, generator=gen) * scale).bfloat16())
 
     def norm() -> torch.Tensor:
         return (1 + torch.randn(hidden, generator=gen) * 0.1).bfloat16()
@@ -107,13 +129,13 @@ def _run_both(step: Step) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tenso
     return (llama_decode_cpu(*step.args(ours)), ours, llama_decode_ref(*step.args(theirs)), theirs)
 
 
-@pytest.mark.parametrize("linear", ["bf16", "w8a8"])
+@LINEARS
 @pytest.mark.parametrize(("block_size", "num_heads", "num_kv_heads", "head_size"),
                          [(16, 4, 2, 32), (16, 9, 3, 64), (8, 4, 4, 64), (32, 8, 1, 32)])
 @pytest.mark.parametrize("seq_lens", [[1], [40], [3, 17, 40, 9, 16], [1, 2, 3, 4, 5, 6, 7, 8]])
 def test_op_matches_reference(linear: str, block_size: int, num_heads: int, num_kv_heads: int,
                               head_size: int, seq_lens: list[int]) -> None:
-    """Both kinds of linear layer, one to eight rows, first tokens and long histories,
+    """Every kind of linear layer (GGUF's formats mixed in one model), one to eight rows, first tokens and long histories,
     GQA groups of 1 to 8, partial blocks; the K/V each layer writes at each row's slot."""
     step = make_step(seq_lens, block_size, num_heads, num_kv_heads, head_size, linear=linear,
                      seed=block_size + head_size + len(seq_lens))
@@ -132,7 +154,7 @@ def test_op_matches_reference(linear: str, block_size: int, num_heads: int, num_
                                    rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("linear", ["bf16", "w8a8"])
+@LINEARS
 def test_larger_model_dims_and_many_layers(linear: str) -> None:
     """SmolLM2-135M's widths (hidden 576, 9 heads of 64 over 3 KV heads, intermediate
     1536) over six layers: rounding differences stay within the tolerance."""
@@ -157,7 +179,7 @@ def test_bad_operands_are_refused() -> None:
     bad = list(step.weights)
     bad[per_layer + 2] = bad[per_layer + 2].float()
     _refused(dataclasses.replace(step, weights=bad), "layer 1's o_proj must be contiguous BFloat16")
-    _refused(dataclasses.replace(step, linear="int4"), "linear must be bf16 or w8a8, got 'int4'")
+    _refused(dataclasses.replace(step, linear="int4"), "linear must be bf16, w8a8 or gguf, got 'int4'")
     _refused(dataclasses.replace(step, linear="w8a8"), "need 14 weights per layer")
     _refused(dataclasses.replace(step, hidden=step.hidden.float()), "hidden must be contiguous bfloat16")
     num_slots = step.kv_caches[0].shape[1] * step.kv_caches[0].shape[2]
@@ -182,3 +204,20 @@ def test_bad_w8a8_weights_are_refused() -> None:
     bad = list(step.weights)
     bad[1] = bad[1][:, :64].contiguous()  # qkv_proj's int8 weight, too few columns
     _refused(dataclasses.replace(step, weights=bad), "layer 0's qkv_proj must be contiguous Char")
+
+
+def test_bad_gguf_weights_are_refused() -> None:
+    step = make_step([3, 20], 16, 4, 2, 32, linear="gguf", seed=5)
+    qkv, o = 1, 3  # layer 0's qkv_proj blocks (Q4_1, packed) and o_proj's (Q4_0, file rows)
+
+    def refused(index: int, tensor: torch.Tensor, match: str) -> None:
+        bad = list(step.weights)
+        bad[index] = tensor
+        _refused(dataclasses.replace(step, weights=bad), match)
+
+    refused(qkv + 1, torch.tensor([5, 1]), r"quant_type must be 2 \(Q4_0\), 3 \(Q4_1\) or 8")
+    refused(qkv + 1, torch.tensor([3, 2]), "layer 0's qkv_proj format's packed must be 0 or 1, got 2")
+    refused(qkv + 1, torch.tensor([3, 1], dtype=torch.int32), r"format must be int64 \[2\]")
+    refused(qkv, step.weights[qkv][:-8], "layer 0's qkv_proj must have 256 rows of blocks")
+    refused(o + 1, gguf_format(GGMLQuantizationType.Q8_0, False), "qweight has 72 bytes per row")
+    refused(o, step.weights[o].char(), "qweight must be a contiguous uint8")

@@ -50,8 +50,8 @@ def test_greedy_matches_transformers_up_to_near_ties(variant: str, default_model
         linears = [m for m in model.layers.modules()
                    if isinstance(m, (torch.nn.Linear, PackedLinear, Bf16Linear))]
         assert (model.fused_decode is not None) == all(isinstance(m, Bf16Linear) for m in linears)
-    elif variant == "w8a8" and has_cpu_kernel("llama_decode_cpu"):
-        assert model.fused_decode is not None and model.fused_decode.linear == "w8a8"
+    elif variant in ("w8a8", "gguf") and has_cpu_kernel("llama_decode_cpu"):
+        assert model.fused_decode is not None and model.fused_decode.linear == variant
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}],
                                              add_generation_prompt=True, tokenize=True,

@@ -1,7 +1,7 @@
 """The fused decode step (``FusedDecodeStep`` in services/worker/models/llama.py): a
 bfloat16 CPU model's small decode-only steps as one C++ op (its linear layers
-bfloat16 or w8a8), with the logits of the eager forward pass, and only where the op
-serves the model."""
+bfloat16, w8a8 or GGUF blocks), with the logits of the eager forward pass, and only
+where the op serves the model."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import pytest
 import torch
 import transformers
 
-from kernels import cpu_extension
+from kernels import cpu_extension, gguf_quants
+from kernels.gguf_linear_cpu import pack_rows
 from services.worker.layers.bf16_linear import UNBOUNDED_ROWS
+from services.worker.layers.gguf_linear import GGUFLinear
 from services.worker.model_loader import load_model
 from services.worker.models import llama
 from tests.worker.test_models import (
@@ -47,17 +49,36 @@ def _packed_model(path: Path, dtype: str, max_rows: int, monkeypatch: pytest.Mon
                         lambda weights: {tuple(w.shape): max_rows for w in weights})
     monkeypatch.setattr("services.worker.models.llama.set_kernel_max_rows_",
                         lambda model, dtype: None)
-    model, config = load_model(path, dtype, "cpu", quantization)
+    model, config = load_model(path, dtype, "cpu", None if quantization == "gguf" else quantization)
+    if quantization == "gguf":
+        _to_gguf_blocks(model)
     model.pack_weights_()
     return model, config
 
 
-@pytest.mark.parametrize("quantization", [None, "w8a8"])
+def _to_gguf_blocks(model: torch.nn.Module) -> None:
+    """Every decoder layer's linear layers as GGUF blocks (``GGUFLinear``), the formats
+    mixed as a GGUF file may mix them: Q4_1 packed by eight, Q4_0 and Q8_0 in the
+    file's rows."""
+    formats = [(gguf_quants.GGMLQuantizationType.Q4_1, True),
+               (gguf_quants.GGMLQuantizationType.Q4_0, False),
+               (gguf_quants.GGMLQuantizationType.Q8_0, False)]
+    for i, layer in enumerate(model.model.layers):
+        for j, (owner, name) in enumerate([(layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                                           (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")]):
+            quant_type, packed = formats[(i + j) % len(formats)]
+            weight = getattr(owner, name).weight.detach().float()
+            blocks = gguf_quants.quantize(weight, quant_type)
+            setattr(owner, name, GGUFLinear(pack_rows(blocks, quant_type) if packed else blocks,
+                                            quant_type, weight.shape[1], packed=packed))
+
+
+@pytest.mark.parametrize("quantization", [None, "w8a8", "gguf"])
 def test_fused_step_matches_the_eager_forward_pass(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
                                                    quantization: str | None) -> None:
     """SCHEDULE's two decode-only steps (three requests each) take the op; its mixed
     steps do not. The logits agree with eager, the last step's through the K/V the op
-    wrote the step before: bfloat16 and w8a8 linear layers."""
+    wrote the step before: bfloat16, w8a8 and GGUF-block linear layers."""
     eager, config = _packed_model(tiny_llama, "bfloat16", UNBOUNDED_ROWS, monkeypatch, quantization)
     fused, _ = _packed_model(tiny_llama, "bfloat16", UNBOUNDED_ROWS, monkeypatch, quantization)
     kv_caches = make_kv_caches(config, NUM_BLOCKS, BLOCK_SIZE)
@@ -75,7 +96,8 @@ def test_fused_step_matches_the_eager_forward_pass(tiny_llama: Path, monkeypatch
     actual = run_paged_schedule(fused, config, token_ids, kv_caches=kv_caches)
     assert calls == [3, 3]
     # The norms and rotations round once per tensor here, per op in eager; under w8a8
-    # an activation one bfloat16 step apart may quantize to the neighbouring int8.
+    # and GGUF blocks an activation one bfloat16 step apart may quantize to the
+    # neighbouring int8.
     atol = 0.05 if quantization is None else 0.15
     for ours, theirs in zip(actual, expected):
         torch.testing.assert_close(ours, theirs, atol=atol, rtol=0)
@@ -89,6 +111,8 @@ def test_fused_step_matches_the_eager_forward_pass(tiny_llama: Path, monkeypatch
     ("bfloat16", "w8a8", UNBOUNDED_ROWS, llama.FUSED_MAX_ROWS),
     ("float32", "w8a8", UNBOUNDED_ROWS, 0),  # float32 activations
     ("bfloat16", "int8", UNBOUNDED_ROWS, 0),  # weight-only int8: no fused kind
+    ("bfloat16", "gguf", UNBOUNDED_ROWS, llama.FUSED_MAX_ROWS),
+    ("float32", "gguf", UNBOUNDED_ROWS, 0),  # float32 activations
 ])
 def test_fused_only_where_the_op_serves(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
                                         dtype: str, quantization: str | None, max_rows: int,

@@ -21,7 +21,7 @@ from torch.nn.utils import skip_init
 
 from kernels.cpu_extension import has_cpu_kernel
 from kernels.int8_dynamic_linear_cpu import CPU_KERNEL_MAX_K as INT8_DYNAMIC_MAX_K
-from kernels.llama_decode_cpu import llama_decode_cpu
+from kernels.llama_decode_cpu import gguf_format, llama_decode_cpu
 from kernels.paged_attention_cpu import uses_cpu_kernel
 from services.worker.attention import Attention, AttentionMetadata
 from services.worker.compilation import private_copy
@@ -196,8 +196,9 @@ class LlamaModel(nn.Module):
         """Runs every later decode-only step of up to ``FusedDecodeStep.max_rows``
         requests as one C++ op (``kernels/llama_decode_cpu.py``), where the model
         and ``kv_caches`` are what it serves: bfloat16 on the CPU, every linear
-        layer on kvmesh's bfloat16 kernel (``Bf16Linear``) or every one on its w8a8
-        kernel (``Int8Linear`` with dynamic activations), none with a bias. Returns
+        layer on kvmesh's bfloat16 kernel (``Bf16Linear``), every one on its w8a8
+        kernel (``Int8Linear`` with dynamic activations) or every one a GGUF's blocks
+        (``GGUFLinear``), none with a bias. Returns
         whether it does. Call after ``pack_weights_``."""
         self.fused_decode = FusedDecodeStep.of(self, kv_caches)
         return self.fused_decode is not None
@@ -298,7 +299,7 @@ class FusedDecodeStep:
     embed_tokens: nn.Embedding
     cos_sin_cache: torch.Tensor
     weights: list[torch.Tensor]  # per layer, the op's tensors in its order
-    linear: str  # the op's kind of linear layer: "bf16" or "w8a8"
+    linear: str  # the op's kind of linear layer: "bf16", "w8a8" or "gguf"
     final_norm: torch.Tensor
     num_heads: int
     num_kv_heads: int
@@ -341,7 +342,8 @@ class FusedDecodeStep:
 
 def _fused_linear_kind(linears: list[nn.Module]) -> str | None:
     """The fused op's kind for ``linears``: "bf16" where each is on kvmesh's bfloat16
-    kernel, "w8a8" where each is on its w8a8 kernel; None otherwise (or with a bias)."""
+    kernel, "w8a8" where each is on its w8a8 kernel, "gguf" where each keeps a GGUF's
+    blocks (of any quant type and layout); None otherwise (or with a bias)."""
     if not all(getattr(m, "bias", None) is None and m.in_features % FUSED_K_MULTIPLE == 0
                for m in linears):
         return None
@@ -350,6 +352,8 @@ def _fused_linear_kind(linears: list[nn.Module]) -> str | None:
     if all(isinstance(m, Int8Linear) and m.dynamic_activations and m.has_kernel
            and m.in_features <= INT8_DYNAMIC_MAX_K for m in linears):
         return "w8a8"
+    if all(isinstance(m, GGUFLinear) for m in linears):
+        return "gguf"
     return None
 
 
@@ -359,6 +363,8 @@ def _fused_tensors(module: nn.Module) -> list[torch.Tensor]:
         return [module.weight.detach()]
     if isinstance(module, Bf16Linear):
         return [module.weight]
+    if isinstance(module, GGUFLinear):
+        return [module.qweight, gguf_format(module.quant_type, module.packed)]
     return [module.qweight, module.float_scales, module.weight_sums]  # w8a8
 
 
