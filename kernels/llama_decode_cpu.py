@@ -1,4 +1,4 @@
-"""A Llama-family decode step (one new token per request) in one call, bfloat16, CPU.
+"""A Llama-family decode step (one new token per request) in one call, CPU.
 
 ``kvmesh::llama_decode_cpu`` (kernels/csrc) runs every decoder layer and the final
 norm of a decode-only step: the model's compiled decode step without its ~12 op
@@ -8,8 +8,9 @@ results up to summation order (each product and norm is a float32 sum; bfloat16
 may then round to the neighbouring value).
 
 Operands, for ``rows`` requests of one new token each:
-- ``hidden`` bfloat16 [rows, hidden]: the tokens' embeddings;
-- ``positions`` int64 [rows]; ``cos_sin_cache`` bfloat16 [max_position, head_size],
+- ``hidden`` bfloat16 or float32 [rows, hidden]: the tokens' embeddings; its dtype
+  is the activations', and the caches', norms' and ``cos_sin_cache``'s;
+- ``positions`` int64 [rows]; ``cos_sin_cache`` [max_position, head_size],
   cos then sin of each position's angles (``RotaryEmbedding.cos_sin_cache``);
 - ``weights``: per layer, in order, the input norm's [hidden], qkv_proj's
   [(heads + 2 kv_heads) * head_size, hidden], o_proj's, the post-attention norm's,
@@ -23,7 +24,7 @@ Operands, for ``rows`` requests of one new token each:
   token's K and V are written at its ``slot_mapping`` (int64 [rows]) entry before
   attention reads the cache through ``block_table``/``seq_lens`` (int32, the CPU
   attention plan's decode ones).
-Returns the final norm's output, bfloat16 [rows, hidden].
+Returns the final norm's output, [rows, hidden] in ``hidden``'s dtype.
 """
 
 from __future__ import annotations
@@ -61,21 +62,25 @@ def llama_decode_cpu(hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cach
                                              num_heads, num_kv_heads, eps, scale, linear)
 
 
+def _add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.float() + b.float()).to(a.dtype)
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x = x.float()
-    normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).bfloat16()
-    return (weight.float() * normed.float()).bfloat16()
+    x32 = x.float()
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight.float() * normed.float()).to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
     cos, sin = cos.float()[:, None], sin.float()[:, None]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).bfloat16()
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 def _linear(x: torch.Tensor, tensors: list[torch.Tensor], linear: str) -> torch.Tensor:
     if linear == "bf16":
-        return F.linear(x.float(), tensors[0].float()).bfloat16()
+        return F.linear(x.float(), tensors[0].float()).to(x.dtype)
     if linear == "w8a8":
         qweight, scales, _ = tensors
         return int8_dynamic_linear_ref(x, qweight, scales)
@@ -90,7 +95,8 @@ def llama_decode_ref(hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cach
                      num_kv_heads: int, eps: float, scale: float, linear: str = "bf16") -> torch.Tensor:
     """``llama_decode_cpu`` in PyTorch: every tensor the model keeps between ops
     (the residual, the norm before and after its weight, the rotated q and k,
-    silu(gate) * up, each product) rounded to bfloat16, the arithmetic float32."""
+    silu(gate) * up, each product) in ``hidden``'s dtype (rounded, for bfloat16), the
+    arithmetic float32."""
     rows = hidden.shape[0]
     head_size = cos_sin_cache.shape[1]
     q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
@@ -101,7 +107,7 @@ def llama_decode_ref(hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cach
         w = weights[per_layer * layer:per_layer * (layer + 1)]
         input_norm, qkv_proj, o_proj = w[0], w[1:1 + n], w[1 + n:1 + 2 * n]
         post_norm, gate_up_proj, down_proj = w[1 + 2 * n], w[2 + 2 * n:2 + 3 * n], w[2 + 3 * n:]
-        residual = h if residual is None else (h.float() + residual.float()).bfloat16()
+        residual = h if residual is None else _add(h, residual)
         q, k, v = _linear(_rms_norm(residual, input_norm, eps), qkv_proj, linear).split(
             [q_size, kv_size, kv_size], dim=-1)
         q = _rotate(q.reshape(rows, num_heads, head_size), cos, sin)
@@ -111,8 +117,8 @@ def llama_decode_ref(hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cach
         cache[1, slot_mapping] = v.reshape(rows, num_kv_heads, head_size)
         attn = decode_attention(q, kv_cache[0], kv_cache[1], block_table, seq_lens, scale)
         attn_out = _linear(attn.reshape(rows, q_size), o_proj, linear)
-        residual = (attn_out.float() + residual.float()).bfloat16()
+        residual = _add(attn_out, residual)
         gate_up = _linear(_rms_norm(residual, post_norm, eps), gate_up_proj, linear)
         gate, up = gate_up.float().chunk(2, dim=-1)
-        h = _linear((F.silu(gate) * up).bfloat16(), down_proj, linear)
-    return _rms_norm((h.float() + residual.float()).bfloat16(), final_norm, eps)
+        h = _linear((F.silu(gate) * up).to(hidden.dtype), down_proj, linear)
+    return _rms_norm(_add(h, residual), final_norm, eps)

@@ -1,5 +1,6 @@
 // kvmesh::llama_decode_cpu: a Llama-family model's decode step (one new token per
-// request), every decoder layer and the final norm, in one call; bfloat16.
+// request), every decoder layer and the final norm, in one call; bfloat16 or float32
+// activations.
 //
 // The C++ counterpart of the model's compiled decode step (`_decode_step` in
 // services/worker/models/llama.py) for a few rows. There each layer is a dozen
@@ -17,11 +18,12 @@
 // weights, activations quantized per token: "w8a8") or a GGUF's own blocks (Q4_0,
 // Q4_1 or Q8_0 per layer, activations quantized per block: "gguf"); the products and
 // the attention are the kernels the compiled step calls (decode_kernels.h), so they
-// give the same bits. The elementwise work is float32
-// on bfloat16 operands, rounded to bfloat16 once per tensor the model keeps (the
-// residual, the norm before and after its weight, the rotated q/k, silu(g) * u),
-// as the PyTorch reference (kernels/llama_decode_cpu.py) rounds; it is a few
-// thousand values a row, done on one thread.
+// give the same bits. The activations, the KV caches, the norms' weights and the
+// rotary table share `hidden`'s dtype. The elementwise work is float32; on bfloat16
+// it rounds once per tensor the model keeps (the residual, the norm before and after
+// its weight, the rotated q/k, silu(g) * u), as the PyTorch reference
+// (kernels/llama_decode_cpu.py) rounds. It is a few thousand values a row, done on
+// one thread.
 //
 // Built at run time by kernels/cpu_extension.py with the C++ compiler inductor uses.
 #include <ATen/ATen.h>
@@ -36,6 +38,7 @@
 #include <cstdint>
 #include <string_view>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 namespace {
@@ -47,19 +50,31 @@ using fVec = at::vec::Vectorized<float>;
 using bVec = at::vec::Vectorized<bf16>;  // twice fVec's lanes
 constexpr int64_t kLanes = bVec::size();
 
-// kLanes bfloat16 values from p, as two vectors of float32.
+// kLanes values from p, as two vectors of float32.
 inline std::tuple<fVec, fVec> load(const bf16* p) {
   return at::vec::convert_to_float<bf16>(bVec::loadu(p));
 }
+inline std::tuple<fVec, fVec> load(const float* p) {
+  return {fVec::loadu(p), fVec::loadu(p + fVec::size())};
+}
 
-// (a, b) rounded to bfloat16 (to nearest even) and stored at p.
+// (a, b) stored at p: rounded to bfloat16 (to nearest even) there.
 inline void store(bf16* p, const fVec& a, const fVec& b) {
   at::vec::convert_from_float<bf16>(a, b).store(p);
 }
+inline void store(float* p, const fVec& a, const fVec& b) {
+  a.store(p);
+  b.store(p + fVec::size());
+}
 
-// (a, b) rounded to bfloat16 and back.
-inline std::tuple<fVec, fVec> round_bf16(const fVec& a, const fVec& b) {
-  return at::vec::convert_to_float<bf16>(at::vec::convert_from_float<bf16>(a, b));
+// (a, b) as a tensor of T keeps them: rounded to bfloat16 and back, or as they are.
+template <typename T>
+inline std::tuple<fVec, fVec> round_to(const fVec& a, const fVec& b) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    return at::vec::convert_to_float<bf16>(at::vec::convert_from_float<bf16>(a, b));
+  } else {
+    return {a, b};
+  }
 }
 
 // The model's dimensions, read from the first layer's weights and cache.
@@ -165,18 +180,19 @@ struct Layer {
 };
 
 // residual = h + residual (when `add`, else h), out = norm(residual) * weight, for
-// each row: each [rows, hidden] contiguous bfloat16, hidden a multiple of kLanes.
-void add_rms_norm(const bf16* h, bf16* residual, const bf16* weight, double eps, bool add,
-                  const Dims& d, bf16* out) {
+// each row: each [rows, hidden] contiguous, hidden a multiple of kLanes.
+template <typename T>
+void add_rms_norm(const T* h, T* residual, const T* weight, double eps, bool add, const Dims& d,
+                  T* out) {
   for (int64_t r = 0; r < d.rows; ++r) {
-    const bf16* hr = h + r * d.hidden;
-    bf16* rr = residual + r * d.hidden;
+    const T* hr = h + r * d.hidden;
+    T* rr = residual + r * d.hidden;
     fVec sum_sq(0.f);
     for (int64_t i = 0; i < d.hidden; i += kLanes) {
       auto [a, b] = load(hr + i);
       if (add) {
         auto [ra, rb] = load(rr + i);
-        std::tie(a, b) = round_bf16(a + ra, b + rb);
+        std::tie(a, b) = round_to<T>(a + ra, b + rb);
       }
       store(rr + i, a, b);
       sum_sq = at::vec::fmadd(a, a, at::vec::fmadd(b, b, sum_sq));
@@ -188,7 +204,7 @@ void add_rms_norm(const bf16* h, bf16* residual, const bf16* weight, double eps,
     const fVec inv(1.f / std::sqrt(total / static_cast<float>(d.hidden) + static_cast<float>(eps)));
     for (int64_t i = 0; i < d.hidden; i += kLanes) {
       const auto [a, b] = load(rr + i);
-      const auto [na, nb] = round_bf16(a * inv, b * inv);
+      const auto [na, nb] = round_to<T>(a * inv, b * inv);
       const auto [wa, wb] = load(weight + i);
       store(out + r * d.hidden + i, wa * na, wb * nb);
     }
@@ -198,23 +214,24 @@ void add_rms_norm(const bf16* h, bf16* residual, const bf16* weight, double eps,
 // Rotates the q and k heads of each row of qkv [rows, q + 2 kv] in place by the row's
 // position (cos_sin row: cos then sin, head_size / 2 each), then stores its k and v
 // at its slot of `cache` [2, num_blocks, block_size, num_kv_heads, head_size].
-void rotate_and_store(bf16* qkv, const bf16* cos_sin, const int64_t* positions,
-                      const int64_t* slots, bf16* cache, const Dims& d) {
+template <typename T>
+void rotate_and_store(T* qkv, const T* cos_sin, const int64_t* positions, const int64_t* slots,
+                      T* cache, const Dims& d) {
   const int64_t half = d.head_size / 2, width = d.q_size() + 2 * d.kv_size();
   const int64_t cache_half = d.num_slots * d.kv_size();  // the V cache's offset
   for (int64_t r = 0; r < d.rows; ++r) {
-    bf16* row = qkv + r * width;
-    const bf16* cos = cos_sin + positions[r] * d.head_size;
-    const bf16* sin = cos + half;
+    T* row = qkv + r * width;
+    const T* cos = cos_sin + positions[r] * d.head_size;
+    const T* sin = cos + half;
     for (int64_t head = 0; head < d.num_heads + d.num_kv_heads; ++head) {
-      bf16* x = row + head * d.head_size;
+      T* x = row + head * d.head_size;
       for (int64_t i = 0; i < half; ++i) {
         const float x1 = x[i], x2 = x[i + half], c = cos[i], s = sin[i];
-        x[i] = static_cast<bf16>(x1 * c - x2 * s);
-        x[i + half] = static_cast<bf16>(x2 * c + x1 * s);
+        x[i] = static_cast<T>(x1 * c - x2 * s);
+        x[i + half] = static_cast<T>(x2 * c + x1 * s);
       }
     }
-    bf16* k_slot = cache + slots[r] * d.kv_size();
+    T* k_slot = cache + slots[r] * d.kv_size();
     std::copy_n(row + d.q_size(), d.kv_size(), k_slot);
     std::copy_n(row + d.q_size() + d.kv_size(), d.kv_size(), k_slot + cache_half);
   }
@@ -222,10 +239,11 @@ void rotate_and_store(bf16* qkv, const bf16* cos_sin, const int64_t* positions,
 
 // out [rows, inter] = silu(gate) * up, gate_up [rows, 2 inter] = [gate | up], inter a
 // multiple of kLanes.
-void silu_and_mul(const bf16* gate_up, const Dims& d, bf16* out) {
+template <typename T>
+void silu_and_mul(const T* gate_up, const Dims& d, T* out) {
   const fVec one(1.f);
   for (int64_t r = 0; r < d.rows; ++r) {
-    const bf16* g = gate_up + r * 2 * d.inter;
+    const T* g = gate_up + r * 2 * d.inter;
     for (int64_t i = 0; i < d.inter; i += kLanes) {
       const auto [ga, gb] = load(g + i);
       const auto [ua, ub] = load(g + d.inter + i);
@@ -235,10 +253,11 @@ void silu_and_mul(const bf16* gate_up, const Dims& d, bf16* out) {
   }
 }
 
-void check_weight(const at::Tensor& w, at::IntArrayRef shape, int64_t layer, const char* name) {
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.sizes() == shape,
-              "layer ", layer, "'s ", name, " must be contiguous bfloat16 ", shape, ", got ",
-              w.scalar_type(), " ", w.sizes());
+void check_weight(const at::Tensor& w, at::ScalarType dtype, at::IntArrayRef shape, int64_t layer,
+                  const char* name) {
+  TORCH_CHECK(w.scalar_type() == dtype && w.is_contiguous() && w.sizes() == shape, "layer ", layer,
+              "'s ", name, " must be contiguous ", dtype, " ", shape, ", got ", w.scalar_type(),
+              " ", w.sizes());
 }
 
 // Every operand's shape and dtype, and every index into memory, checked once per call.
@@ -247,18 +266,19 @@ Dims check_operands(const at::Tensor& hidden, const at::Tensor& positions,
                     const at::Tensor& final_norm, at::TensorList kv_caches,
                     const at::Tensor& slot_mapping, const at::Tensor& block_table,
                     const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads) {
-  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kBFloat16 && hidden.is_contiguous(),
-              "hidden must be contiguous bfloat16 [rows, hidden], got ", hidden.scalar_type(), " ",
-              hidden.sizes());
+  const auto dtype = hidden.scalar_type();  // the activations', caches' and norms'
+  TORCH_CHECK(hidden.dim() == 2 && (dtype == at::kBFloat16 || dtype == at::kFloat) &&
+              hidden.is_contiguous(), "hidden must be contiguous bfloat16 or float32 [rows, ",
+              "hidden], got ", dtype, " ", hidden.sizes());
   const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(num_layers >= 1 &&
               static_cast<int64_t>(weights.size()) == Layer::num_tensors(kind) * num_layers,
               "need ", Layer::num_tensors(kind), " weights per layer for ", num_layers,
               " KV caches, got ", weights.size());
   const at::Tensor& cache = kv_caches[0];
-  TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.scalar_type() == at::kBFloat16 &&
+  TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.scalar_type() == dtype &&
               cache.is_contiguous() && cache.size(3) == num_kv_heads,
-              "each KV cache must be contiguous bfloat16 [2, num_blocks, block_size, ",
+              "each KV cache must be contiguous ", dtype, " [2, num_blocks, block_size, ",
               num_kv_heads, ", head_size], got ", cache.scalar_type(), " ", cache.sizes());
   const int64_t rows = hidden.size(0), H = hidden.size(1), head_size = cache.size(4);
   const int64_t inter = Layer::of(weights, kind, 0).gate_up.tensors[0].size(0) / 2;
@@ -270,20 +290,20 @@ Dims check_operands(const at::Tensor& hidden, const at::Tensor& positions,
               inter, " must be multiples of ", kKMultiple);
   for (int64_t l = 0; l < num_layers; ++l) {
     TORCH_CHECK(kv_caches[l].sizes() == cache.sizes() && kv_caches[l].is_contiguous() &&
-                kv_caches[l].scalar_type() == at::kBFloat16,
+                kv_caches[l].scalar_type() == dtype,
                 "KV cache ", l, " must be like the first, got ", kv_caches[l].sizes());
     const Layer layer = Layer::of(weights, kind, l);
-    check_weight(layer.input_norm, {H}, l, "input norm");
+    check_weight(layer.input_norm, dtype, {H}, l, "input norm");
     layer.qkv.check(d.q_size() + 2 * d.kv_size(), H, l, "qkv_proj");
     layer.o.check(H, d.q_size(), l, "o_proj");
-    check_weight(layer.post_norm, {H}, l, "post-attention norm");
+    check_weight(layer.post_norm, dtype, {H}, l, "post-attention norm");
     layer.gate_up.check(2 * inter, H, l, "gate_up_proj");
     layer.down.check(H, inter, l, "down_proj");
   }
-  check_weight(final_norm, {H}, num_layers, "final norm");
+  check_weight(final_norm, dtype, {H}, num_layers, "final norm");
   TORCH_CHECK(cos_sin_cache.dim() == 2 && cos_sin_cache.size(1) == head_size &&
-              cos_sin_cache.scalar_type() == at::kBFloat16 && cos_sin_cache.is_contiguous(),
-              "cos_sin_cache must be contiguous bfloat16 [max_position, ", head_size, "], got ",
+              cos_sin_cache.scalar_type() == dtype && cos_sin_cache.is_contiguous(),
+              "cos_sin_cache must be contiguous ", dtype, " [max_position, ", head_size, "], got ",
               cos_sin_cache.scalar_type(), " ", cos_sin_cache.sizes());
   for (const auto& [t, name] : {std::pair{&positions, "positions"}, {&slot_mapping, "slot_mapping"}}) {
     TORCH_CHECK(t->dim() == 1 && t->size(0) == rows && t->scalar_type() == at::kLong &&
@@ -303,6 +323,44 @@ Dims check_operands(const at::Tensor& hidden, const at::Tensor& positions,
   return d;
 }
 
+// The step on activations of T (after check_operands): the final norm's output.
+template <typename T>
+at::Tensor decode_step(const at::Tensor& hidden, const at::Tensor& positions,
+                       const at::Tensor& cos_sin_cache, at::TensorList weights, LinearKind kind,
+                       const at::Tensor& final_norm, at::TensorList kv_caches,
+                       const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                       const at::Tensor& seq_lens, double eps, double scale, const Dims& d) {
+  const auto options = hidden.options();
+  at::Tensor h = hidden.clone();
+  at::Tensor residual = at::empty_like(hidden), x = at::empty_like(hidden);
+  at::Tensor qkv = at::empty({d.rows, d.q_size() + 2 * d.kv_size()}, options);
+  at::Tensor attn = at::empty({d.rows, d.num_heads, d.head_size}, options);
+  at::Tensor gate_up = at::empty({d.rows, 2 * d.inter}, options);
+  at::Tensor act = at::empty({d.rows, d.inter}, options);
+  // q's rows inside qkv, as the attention reads them: [rows, heads, head_size].
+  const at::Tensor query = qkv.narrow(1, 0, d.q_size()).view({d.rows, d.num_heads, d.head_size});
+  const at::Tensor attn_rows = attn.view({d.rows, d.q_size()});
+  T* const h_ = h.data_ptr<T>();
+  T* const residual_ = residual.data_ptr<T>();
+  T* const x_ = x.data_ptr<T>();
+  for (int64_t l = 0; l < static_cast<int64_t>(kv_caches.size()); ++l) {
+    const Layer layer = Layer::of(weights, kind, l);
+    const at::Tensor& cache = kv_caches[l];
+    add_rms_norm(h_, residual_, layer.input_norm.data_ptr<T>(), eps, l > 0, d, x_);
+    layer.qkv(x, qkv);
+    rotate_and_store(qkv.data_ptr<T>(), cos_sin_cache.data_ptr<T>(), positions.data_ptr<int64_t>(),
+                     slot_mapping.data_ptr<int64_t>(), cache.data_ptr<T>(), d);
+    kvmesh::decode_attention_out(query, cache[0], cache[1], block_table, seq_lens, scale, attn);
+    layer.o(attn_rows, h);
+    add_rms_norm(h_, residual_, layer.post_norm.data_ptr<T>(), eps, true, d, x_);
+    layer.gate_up(x, gate_up);
+    silu_and_mul(gate_up.data_ptr<T>(), d, act.data_ptr<T>());
+    layer.down(act, h);
+  }
+  add_rms_norm(h_, residual_, final_norm.data_ptr<T>(), eps, true, d, x_);
+  return x;
+}
+
 at::Tensor llama_decode_cpu(const at::Tensor& hidden, const at::Tensor& positions,
                             const at::Tensor& cos_sin_cache, at::TensorList weights,
                             const at::Tensor& final_norm, at::TensorList kv_caches,
@@ -313,36 +371,9 @@ at::Tensor llama_decode_cpu(const at::Tensor& hidden, const at::Tensor& position
   const Dims d = check_operands(hidden, positions, cos_sin_cache, weights, kind, final_norm,
                                 kv_caches, slot_mapping, block_table, seq_lens, num_heads,
                                 num_kv_heads);
-  const auto options = hidden.options();
-  at::Tensor h = hidden.clone();
-  at::Tensor residual = at::empty_like(hidden), x = at::empty_like(hidden);
-  at::Tensor qkv = at::empty({d.rows, d.q_size() + 2 * d.kv_size()}, options);
-  at::Tensor attn = at::empty({d.rows, num_heads, d.head_size}, options);
-  at::Tensor gate_up = at::empty({d.rows, 2 * d.inter}, options);
-  at::Tensor act = at::empty({d.rows, d.inter}, options);
-  // q's rows inside qkv, as the attention reads them: [rows, heads, head_size].
-  const at::Tensor query = qkv.narrow(1, 0, d.q_size()).view({d.rows, num_heads, d.head_size});
-  const at::Tensor attn_rows = attn.view({d.rows, d.q_size()});
-  for (int64_t l = 0; l < static_cast<int64_t>(kv_caches.size()); ++l) {
-    const Layer layer = Layer::of(weights, kind, l);
-    const at::Tensor& cache = kv_caches[l];
-    add_rms_norm(h.data_ptr<bf16>(), residual.data_ptr<bf16>(), layer.input_norm.data_ptr<bf16>(),
-                 eps, l > 0, d, x.data_ptr<bf16>());
-    layer.qkv(x, qkv);
-    rotate_and_store(qkv.data_ptr<bf16>(), cos_sin_cache.data_ptr<bf16>(),
-                     positions.data_ptr<int64_t>(), slot_mapping.data_ptr<int64_t>(),
-                     cache.data_ptr<bf16>(), d);
-    kvmesh::decode_attention_out(query, cache[0], cache[1], block_table, seq_lens, scale, attn);
-    layer.o(attn_rows, h);
-    add_rms_norm(h.data_ptr<bf16>(), residual.data_ptr<bf16>(), layer.post_norm.data_ptr<bf16>(),
-                 eps, true, d, x.data_ptr<bf16>());
-    layer.gate_up(x, gate_up);
-    silu_and_mul(gate_up.data_ptr<bf16>(), d, act.data_ptr<bf16>());
-    layer.down(act, h);
-  }
-  add_rms_norm(h.data_ptr<bf16>(), residual.data_ptr<bf16>(), final_norm.data_ptr<bf16>(), eps,
-               true, d, x.data_ptr<bf16>());
-  return x;
+  const auto step = hidden.scalar_type() == at::kBFloat16 ? decode_step<bf16> : decode_step<float>;
+  return step(hidden, positions, cos_sin_cache, weights, kind, final_norm, kv_caches, slot_mapping,
+              block_table, seq_lens, eps, scale, d);
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 """kvmesh::llama_decode_cpu (kernels/csrc) against its PyTorch reference
-`llama_decode_ref` on random models (bfloat16, w8a8 and GGUF-block linear layers) and
-paged batches: the output, the K/V it writes, every cache slot it must leave alone, and
-what it refuses."""
+`llama_decode_ref` on random models (bfloat16, w8a8 and GGUF-block linear layers;
+bfloat16 and float32 activations) and paged batches: the output, the K/V it writes,
+every cache slot it must leave alone, and what it refuses."""
 
 from __future__ import annotations
 
@@ -25,8 +25,10 @@ from tests.kernels.test_paged_attention_cpu import _poison_unowned_slots
 pytestmark = pytest.mark.skipif(not cpu_extension.has_cpu_kernel("llama_decode_cpu"),
                                 reason="kvmesh's C++ CPU kernels could not be built here")
 # Relative to the reference, which sums each product in another order: a bfloat16
-# value may round to its neighbour, and that passes on through the layers.
-TOLERANCE = 2e-2
+# value may round to its neighbour, and that passes on through the layers. float32
+# differs by ~1e-6 (measured); its bound leaves room for an activation quantized to
+# the neighbouring int8.
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-3}
 LINEARS = pytest.mark.parametrize("linear", ["bf16", "w8a8", "gguf"])
 # A "gguf" model's linear layers take these (quant type, packed by eight) in turn, so
 # that one model mixes every format, as a GGUF file may.
@@ -79,14 +81,15 @@ def _gguf_formats() -> Callable[[torch.Tensor], list[torch.Tensor]]:
 
 
 def _weights(num_layers: int, hidden: int, num_heads: int, num_kv_heads: int, head_size: int,
-             inter: int, linear: str, gen: torch.Generator) -> list[torch.Tensor]:
+             inter: int, linear: str, dtype: torch.dtype, gen: torch.Generator
+             ) -> list[torch.Tensor]:
     as_linear = {"bf16": lambda weight: [weight], "w8a8": _w8a8, "gguf": _gguf_formats()}[linear]
 
     def rand(*shape: int, scale: float) -> list[torch.Tensor]:
         return as_linear((torch.randn(*shape, generator=gen) * scale).bfloat16())
 
     def norm() -> torch.Tensor:
-        return (1 + torch.randn(hidden, generator=gen) * 0.1).bfloat16()
+        return (1 + torch.randn(hidden, generator=gen) * 0.1).to(dtype)
 
     qkv_rows, q_size = (num_heads + 2 * num_kv_heads) * head_size, num_heads * head_size
     weights = []
@@ -100,7 +103,7 @@ def _weights(num_layers: int, hidden: int, num_heads: int, num_kv_heads: int, he
 
 def make_step(seq_lens: list[int], block_size: int, num_heads: int, num_kv_heads: int,
               head_size: int, hidden: int = 128, inter: int = 256, num_layers: int = 2,
-              linear: str = "bf16", seed: int = 0) -> Step:
+              linear: str = "bf16", seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Step:
     """One new token per request, at position seq_len - 1; every cache slot no request
     owns is NaN, and so is the slot each new token goes to, until the op writes it."""
     gen = torch.Generator().manual_seed(seed)
@@ -115,12 +118,12 @@ def make_step(seq_lens: list[int], block_size: int, num_heads: int, num_kv_heads
     for _ in range(num_layers):
         cache = batch.kv_cache.clone() * (0.5 + torch.rand(1, generator=gen))
         cache.view(2, -1, num_kv_heads, head_size)[:, slots] = float("nan")
-        kv_caches.append(cache.bfloat16())
-    rotary = RotaryEmbedding(head_size, max(seq_lens) + 8, 10000.0, None, torch.bfloat16)
-    return Step(torch.randn(len(seq_lens), hidden, generator=gen).bfloat16(), positions,
+        kv_caches.append(cache.to(dtype))
+    rotary = RotaryEmbedding(head_size, max(seq_lens) + 8, 10000.0, None, dtype)
+    return Step(torch.randn(len(seq_lens), hidden, generator=gen).to(dtype), positions,
                 rotary.cos_sin_cache, _weights(num_layers, hidden, num_heads, num_kv_heads,
-                                               head_size, inter, linear, gen),
-                (1 + torch.randn(hidden, generator=gen) * 0.1).bfloat16(), kv_caches, slots,
+                                               head_size, inter, linear, dtype, gen),
+                (1 + torch.randn(hidden, generator=gen) * 0.1).to(dtype), kv_caches, slots,
                 table, batch.seq_lens, num_heads, num_kv_heads, linear)
 
 
@@ -129,24 +132,19 @@ def _run_both(step: Step) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tenso
     return (llama_decode_cpu(*step.args(ours)), ours, llama_decode_ref(*step.args(theirs)), theirs)
 
 
-@LINEARS
-@pytest.mark.parametrize(("block_size", "num_heads", "num_kv_heads", "head_size"),
-                         [(16, 4, 2, 32), (16, 9, 3, 64), (8, 4, 4, 64), (32, 8, 1, 32)])
-@pytest.mark.parametrize("seq_lens", [[1], [40], [3, 17, 40, 9, 16], [1, 2, 3, 4, 5, 6, 7, 8]])
-def test_op_matches_reference(linear: str, block_size: int, num_heads: int, num_kv_heads: int,
-                              head_size: int, seq_lens: list[int]) -> None:
-    """Every kind of linear layer (GGUF's formats mixed in one model), one to eight rows, first tokens and long histories,
-    GQA groups of 1 to 8, partial blocks; the K/V each layer writes at each row's slot."""
-    step = make_step(seq_lens, block_size, num_heads, num_kv_heads, head_size, linear=linear,
-                     seed=block_size + head_size + len(seq_lens))
+def _check_against_reference(step: Step) -> None:
+    """The output, the K/V each layer writes at each row's slot, and every other slot
+    left as it was (NaN where no request owns it)."""
+    num_kv_heads, head_size = step.num_kv_heads, step.cos_sin_cache.shape[1]
     out, caches, expected, expected_caches = _run_both(step)
-    assert out.dtype == torch.bfloat16 and out.shape == step.hidden.shape
-    assert max_rel_error(out, expected) < TOLERANCE
+    assert out.dtype == step.hidden.dtype and out.shape == step.hidden.shape
+    tolerance = TOLERANCE[step.hidden.dtype]
+    assert max_rel_error(out, expected) < tolerance
     for cache, expected_cache, original in zip(caches, expected_caches, step.kv_caches):
         written = cache.view(2, -1, num_kv_heads, head_size)[:, step.slot_mapping]
         assert not written.isnan().any()
         assert max_rel_error(written, expected_cache.view(2, -1, num_kv_heads, head_size)
-                             [:, step.slot_mapping]) < TOLERANCE
+                             [:, step.slot_mapping]) < tolerance
         untouched = torch.ones(cache.view(2, -1, num_kv_heads, head_size).shape[1], dtype=torch.bool)
         untouched[step.slot_mapping] = False
         torch.testing.assert_close(cache.view(2, -1, num_kv_heads, head_size)[:, untouched],
@@ -155,13 +153,39 @@ def test_op_matches_reference(linear: str, block_size: int, num_heads: int, num_
 
 
 @LINEARS
-def test_larger_model_dims_and_many_layers(linear: str) -> None:
+@pytest.mark.parametrize(("block_size", "num_heads", "num_kv_heads", "head_size"),
+                         [(16, 4, 2, 32), (16, 9, 3, 64), (8, 4, 4, 64), (32, 8, 1, 32)])
+@pytest.mark.parametrize("seq_lens", [[1], [40], [3, 17, 40, 9, 16], [1, 2, 3, 4, 5, 6, 7, 8]])
+def test_op_matches_reference(linear: str, block_size: int, num_heads: int, num_kv_heads: int,
+                              head_size: int, seq_lens: list[int]) -> None:
+    """Every kind of linear layer (GGUF's formats mixed in one model), one to eight
+    rows, first tokens and long histories, GQA groups of 1 to 8, partial blocks."""
+    _check_against_reference(make_step(seq_lens, block_size, num_heads, num_kv_heads, head_size,
+                                       linear=linear, seed=block_size + head_size + len(seq_lens)))
+
+
+@LINEARS
+@pytest.mark.parametrize(("block_size", "num_heads", "num_kv_heads", "head_size"),
+                         [(16, 9, 3, 64), (32, 8, 1, 32)])
+@pytest.mark.parametrize("seq_lens", [[1], [3, 17, 40, 9, 16]])
+def test_float32_activations_match_reference(linear: str, block_size: int, num_heads: int,
+                                             num_kv_heads: int, head_size: int,
+                                             seq_lens: list[int]) -> None:
+    """float32 activations, caches and norms (a float32 model's), unrounded between ops."""
+    _check_against_reference(make_step(seq_lens, block_size, num_heads, num_kv_heads, head_size,
+                                       linear=linear, seed=len(seq_lens) + head_size,
+                                       dtype=torch.float32))
+
+
+@LINEARS
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_larger_model_dims_and_many_layers(linear: str, dtype: torch.dtype) -> None:
     """SmolLM2-135M's widths (hidden 576, 9 heads of 64 over 3 KV heads, intermediate
     1536) over six layers: rounding differences stay within the tolerance."""
     step = make_step([5, 70], 16, 9, 3, 64, hidden=576, inter=1536, num_layers=6,
-                     linear=linear, seed=7)
+                     linear=linear, seed=7, dtype=dtype)
     out, _, expected, _ = _run_both(step)
-    assert max_rel_error(out, expected) < TOLERANCE
+    assert max_rel_error(out, expected) < TOLERANCE[dtype]
 
 
 def _refused(step: Step, match: str) -> None:
@@ -181,7 +205,14 @@ def test_bad_operands_are_refused() -> None:
     _refused(dataclasses.replace(step, weights=bad), "layer 1's o_proj must be contiguous BFloat16")
     _refused(dataclasses.replace(step, linear="int4"), "linear must be bf16, w8a8 or gguf, got 'int4'")
     _refused(dataclasses.replace(step, linear="w8a8"), "need 14 weights per layer")
-    _refused(dataclasses.replace(step, hidden=step.hidden.float()), "hidden must be contiguous bfloat16")
+    _refused(dataclasses.replace(step, hidden=step.hidden.half()),
+             "hidden must be contiguous bfloat16 or float32")
+    # float32 activations need float32 caches, norms and rotary table: they follow hidden.
+    _refused(dataclasses.replace(step, hidden=step.hidden.float()),
+             r"each KV cache must be contiguous Float \[2, ")
+    _refused(dataclasses.replace(step, hidden=step.hidden.float(),
+                                 kv_caches=[c.float() for c in step.kv_caches]),
+             "layer 0's input norm must be contiguous Float")
     num_slots = step.kv_caches[0].shape[1] * step.kv_caches[0].shape[2]
     _refused(dataclasses.replace(step, slot_mapping=torch.tensor([0, num_slots])),
              rf"slot_mapping\[1\] = {num_slots} is outside \[0, {num_slots}\)")

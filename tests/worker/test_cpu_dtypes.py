@@ -36,10 +36,13 @@ QUESTIONS = (
 NUM_TOKENS = 24
 
 
-@pytest.mark.parametrize("variant", ["bfloat16", "int8", "w8a8", "gguf"])
-def test_greedy_matches_transformers_up_to_near_ties(variant: str, default_model_dir: Path,
-                                                     hf_bfloat16) -> None:
-    worker = Worker(WorkerConfig(dtype="bfloat16", kv_cache_gib=0.25, max_model_len=512,
+@pytest.mark.parametrize(("variant", "dtype"), [
+    ("bfloat16", "bfloat16"), ("int8", "bfloat16"), ("w8a8", "bfloat16"), ("gguf", "bfloat16"),
+    ("gguf", "float32"),  # the 4-bit row of benchmarks/cpu_throughput.py
+])
+def test_greedy_matches_transformers_up_to_near_ties(variant: str, dtype: str,
+                                                     default_model_dir: Path, hf_bfloat16) -> None:
+    worker = Worker(WorkerConfig(dtype=dtype, kv_cache_gib=0.25, max_model_len=512,
                                  quantization=None if variant == "bfloat16" else variant))
     worker.load_model()
     worker.initialize_kv_cache()

@@ -195,11 +195,11 @@ class LlamaModel(nn.Module):
     def fuse_decode_step(self, kv_caches: list[torch.Tensor]) -> bool:
         """Runs every later decode-only step of up to ``FusedDecodeStep.max_rows``
         requests as one C++ op (``kernels/llama_decode_cpu.py``), where the model
-        and ``kv_caches`` are what it serves: bfloat16 on the CPU, every linear
-        layer on kvmesh's bfloat16 kernel (``Bf16Linear``), every one on its w8a8
-        kernel (``Int8Linear`` with dynamic activations) or every one a GGUF's blocks
-        (``GGUFLinear``), none with a bias. Returns
-        whether it does. Call after ``pack_weights_``."""
+        and ``kv_caches`` are what it serves: bfloat16 or float32 on the CPU, every
+        linear layer on kvmesh's bfloat16 kernel (``Bf16Linear``), every one on its
+        w8a8 kernel (``Int8Linear`` with dynamic activations) or every one a GGUF's
+        blocks (``GGUFLinear``), none with a bias. Returns whether it does. Call
+        after ``pack_weights_``."""
         self.fused_decode = FusedDecodeStep.of(self, kv_caches)
         return self.fused_decode is not None
 
@@ -316,12 +316,13 @@ class FusedDecodeStep:
         linears = [m for part in parts for m in part if not isinstance(m, RMSNorm)]
         linear = _fused_linear_kind(linears)
         attn = model.layers[0].self_attn.attn
-        query = torch.empty(1, attn.num_heads, attn.head_size, dtype=torch.bfloat16)
+        dtype = model.norm.weight.dtype  # the activations'
+        query = torch.empty(1, attn.num_heads, attn.head_size, dtype=dtype)
         norms = [m.weight for part in parts for m in part if isinstance(m, RMSNorm)]
         if not (linear is not None and has_cpu_kernel("llama_decode_cpu") and kv_caches
-                and all(t.dtype == torch.bfloat16 and t.device.type == "cpu"
-                        for t in [*norms, model.norm.weight, model.rotary_emb.cos_sin_cache,
-                                  *kv_caches])
+                and dtype in (torch.bfloat16, torch.float32)
+                and all(t.dtype == dtype and t.device.type == "cpu"
+                        for t in [*norms, model.rotary_emb.cos_sin_cache, *kv_caches])
                 and uses_cpu_kernel(query, kv_caches[0][0])):
             return None
         weights = [t for part in parts for m in part for t in _fused_tensors(m)]
@@ -419,7 +420,7 @@ class LlamaForCausalLM(nn.Module):
 
     def fuse_decode_step(self, kv_caches: list[torch.Tensor]) -> int:
         """Runs small decode-only steps as one C++ op where it serves the model (CPU,
-        bfloat16; see ``LlamaModel``); returns up to how many requests, 0 if never."""
+        bfloat16 or float32; see ``LlamaModel``); returns up to how many requests, 0 if never."""
         return self.model.fused_decode.max_rows if self.model.fuse_decode_step(kv_caches) else 0
 
     def compute_logits(self, hidden_states: torch.Tensor,
