@@ -114,7 +114,7 @@ struct Linear {
   LinearKind kind;
   const at::Tensor* tensors;
 
-  // out [rows, N] = x [rows, K] @ weight.T, both contiguous bfloat16.
+  // out [rows, N] = x [rows, K] @ weight.T, both contiguous, in the activations' dtype.
   void operator()(const at::Tensor& x, at::Tensor& out) const {
     switch (kind) {
       case LinearKind::kBf16: kvmesh::bf16_linear_out(x, tensors[0], out); break;
