@@ -179,6 +179,16 @@ def test_float32_activations_match_reference(linear: str, block_size: int, num_h
 
 @LINEARS
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_many_rows(linear: str, dtype: torch.dtype) -> None:
+    """40 requests (the worker fuses up to 64): the kernels' many-row paths (w8a8's
+    GEMM from 16 rows, four activation rows per pass over the weights)."""
+    seq_lens = [1 + (7 * i) % 50 for i in range(40)]
+    _check_against_reference(make_step(seq_lens, 16, 9, 3, 64, linear=linear, seed=11,
+                                       dtype=dtype))
+
+
+@LINEARS
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_larger_model_dims_and_many_layers(linear: str, dtype: torch.dtype) -> None:
     """SmolLM2-135M's widths (hidden 576, 9 heads of 64 over 3 KV heads, intermediate
     1536) over six layers: rounding differences stay within the tolerance."""

@@ -44,9 +44,10 @@ _STACKED_PARAMS = (
     (".gate_up_proj.", ".up_proj.", "up"),
 )
 # The fused decode step (``FusedDecodeStep``) serves up to this many requests: measured
-# faster than the compiled step at 1, 4 and 8 (Zen 5, benchmarks/RESULTS.md), not
-# beyond; it runs each layer's elementwise work on one thread.
-FUSED_MAX_ROWS = 8
+# faster than the compiled step from 1 to 64 (Zen 5, benchmarks/RESULTS.md: 1.3x at
+# one, 1.1x at 16, 1.02-1.03x at 64), not beyond; it runs each layer's elementwise work
+# on one thread. Fewer where a layer's kernel serves fewer (``Bf16Linear.max_rows``).
+FUSED_MAX_ROWS = 64
 # ... and in_features that kvmesh's bfloat16 kernel and its vector loops step through.
 FUSED_K_MULTIPLE = 32
 # Each linear layer of a decoder layer: (its module, its name, the checkpoint
