@@ -118,7 +118,7 @@ def test_fused_step_matches_the_eager_forward_pass(tiny_llama: Path, monkeypatch
     ("bfloat16", None, 0, 0),  # oneDNN's layers (or nn.Linear where it cannot pack bfloat16)
     ("float32", None, UNBOUNDED_ROWS, 0),  # float32 layers are oneDNN's
     ("bfloat16", "w8a8", UNBOUNDED_ROWS, QUANTIZED_ROWS),
-    ("float32", "w8a8", UNBOUNDED_ROWS, QUANTIZED_ROWS),  # float32 activations
+    ("float32", "w8a8", UNBOUNDED_ROWS, QUANTIZED_ROWS),  # float32 activations too
     ("bfloat16", "int8", UNBOUNDED_ROWS, 0),  # weight-only int8: no fused kind
     ("bfloat16", "gguf", UNBOUNDED_ROWS, QUANTIZED_ROWS),
     ("float32", "gguf", UNBOUNDED_ROWS, QUANTIZED_ROWS),

@@ -421,7 +421,8 @@ class LlamaForCausalLM(nn.Module):
 
     def fuse_decode_step(self, kv_caches: list[torch.Tensor]) -> int:
         """Runs small decode-only steps as one C++ op where it serves the model (CPU,
-        bfloat16 or float32; see ``LlamaModel``); returns up to how many requests, 0 if never."""
+        bfloat16 or float32; see ``LlamaModel``); returns up to how many requests, 0
+        if never."""
         return self.model.fused_decode.max_rows if self.model.fuse_decode_step(kv_caches) else 0
 
     def compute_logits(self, hidden_states: torch.Tensor,
