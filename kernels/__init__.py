@@ -14,6 +14,7 @@ from kernels.reshape_and_cache import (
 from kernels.slot_mapping import (
     PAD_SLOT_ID,
     compute_slot_mapping,
+    compute_slot_mapping_cpu,
     compute_slot_mapping_ref,
     compute_slot_mapping_triton,
 )
@@ -21,6 +22,7 @@ from kernels.slot_mapping import (
 __all__ = [
     "PAD_SLOT_ID",
     "compute_slot_mapping",
+    "compute_slot_mapping_cpu",
     "compute_slot_mapping_ref",
     "compute_slot_mapping_triton",
     "paged_attention",

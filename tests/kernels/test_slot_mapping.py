@@ -1,4 +1,5 @@
-"""compute_slot_mapping: exact slots from the block table, -1 for padding; Triton == reference."""
+"""compute_slot_mapping: exact slots from the block table, -1 for padding; the numpy
+(CPU) and Triton versions == the reference."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import torch
 from kernels import (
     PAD_SLOT_ID,
     compute_slot_mapping,
+    compute_slot_mapping_cpu,
     compute_slot_mapping_ref,
     compute_slot_mapping_triton,
 )
 from tests.cuda import needs_cuda
 
-IMPLS = [compute_slot_mapping_ref,
+IMPLS = [compute_slot_mapping_ref, compute_slot_mapping_cpu,
          pytest.param(compute_slot_mapping_triton, marks=pytest.mark.triton_cpu)]
 
 
@@ -83,14 +85,26 @@ def test_random_batches(impl, block_size):
 
 
 @pytest.mark.triton_cpu
-def test_dispatch_cpu_uses_reference(monkeypatch):
+def test_dispatch_cpu_uses_numpy(monkeypatch):
     monkeypatch.delenv("KVMESH_FORCE_TRITON", raising=False)
     tables = _batch([3, 0], [1, 9], 16, num_padding=3, seed=7)
+    calls = []
+    monkeypatch.setattr("kernels.slot_mapping.compute_slot_mapping_cpu",
+                        lambda *args, **kwargs: calls.append(1) or compute_slot_mapping_cpu(
+                            *args, **kwargs))
     assert torch.equal(compute_slot_mapping(*tables, 16, 2, 10),
                        compute_slot_mapping_ref(*tables, 16, 2, 10))
+    assert calls == [1]
     monkeypatch.setenv("KVMESH_FORCE_TRITON", "1")
     assert torch.equal(compute_slot_mapping(*tables, 16, 2, 10),
                        _expected(*tables, 16, 10))
+
+
+@pytest.mark.parametrize("impl", [compute_slot_mapping_ref, compute_slot_mapping_cpu])
+def test_no_actual_tokens_is_all_padding(impl):
+    """A dummy run schedules tokens but writes none (``num_actual_tokens`` 0)."""
+    tables = _batch([3, 0], [1, 9], 16, num_padding=2, seed=5)
+    assert impl(*tables, 16, 2, 0).tolist() == [PAD_SLOT_ID] * 12
 
 
 def test_out_too_small_is_rejected():
