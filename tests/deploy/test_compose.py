@@ -5,8 +5,9 @@ every healthcheck waited for, a greedy answer streamed through each published
 frontend port over gRPC and over HTTP with the ``openai`` client, a prefix
 routed to the cell that holds it through Redis, a worker container and then a
 scheduler container killed mid-generation with every stream finishing as it
-would have (up to a near tie in bfloat16), the image's fast paths and one-stream
-speed against the host's, and ``down -v`` leaving nothing behind.
+would have (the workers in float32, where greedy tokens are exact), the image's
+fast paths and one-stream speed against the host's in the same dtype, and ``down -v``
+leaving nothing behind.
 
 The base image stands in for python:3.11-slim and the Redis image for redis:7
 (tests/deploy/images.py). Without root, a Docker engine or debootstrap the
@@ -44,6 +45,11 @@ NUM_SCHEDULERS = NUM_WORKERS = NUM_FRONTENDS = 2  # two cells of one worker
 PROJECT_PREFIX = "kvmesh-test-"
 # A cold start compiles the model's graphs for this CPU in each worker at once.
 HEALTHY_TIMEOUT_S = 900.0
+# The workers' --dtype (KVMESH_WORKER_DTYPE): float32, whose greedy tokens are exact.
+# In bfloat16 the chat answer's first token is a near tie, which workers that measured
+# their fastest kernels apart may split (CI, 2026-11-29: one answer of four began
+# "L'Étoile").
+WORKER_DTYPE = "float32"
 PREFIX_TOKENS = 96  # 6 full blocks of 16
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 SPEED_PROMPT = "Write a long story about a lighthouse keeper and the sea."
@@ -72,6 +78,7 @@ def deployment(tmp_path_factory) -> Iterator[Deployment]:
         "REDIS_IMAGE": ensure_redis_image(),
         "KVMESH_CLUSTER_SECRET": secrets.token_hex(32),
         "KVMESH_REDIS_PASSWORD": secrets.token_hex(32),
+        "KVMESH_WORKER_DTYPE": WORKER_DTYPE,
     })
     try:
         # One worker first: it compiles for this CPU into the shared compile-cache
@@ -172,9 +179,10 @@ def test_redis_refuses_a_client_without_the_password(deployment: Deployment):
 def test_a_scheduler_container_killed_mid_generation_changes_no_output(deployment: Deployment,
                                                                       hf_bfloat16):
     """The dead cell's requests resume in the other cell with the output they would
-    have had. The workers run the CPU's default dtype: in bfloat16 a resumed request
-    (its tokens so far prefilled, in another batch) may part from the undisturbed
-    run at a near tie, where the kernel chosen per row count rounds differently."""
+    have had. The deployment's workers run float32 (WORKER_DTYPE); in bfloat16 a
+    resumed request (its tokens so far prefilled, in another batch) may part from the
+    undisturbed run at a near tie, where the kernel chosen per row count rounds
+    differently, which the near-tie rule below allows."""
     project = deployment.project
     grpc_port, _ = deployment.frontends[0]
     token_prompts = prompts(seed=11, count=4)
@@ -218,7 +226,10 @@ def test_the_image_runs_the_hosts_fast_paths_at_the_hosts_speed(deployment: Depl
         assert "cpu_kernels_unavailable" not in logs and "no_cpp_compiler" not in logs
     container = one_stream_tokens_per_s(f"127.0.0.1:{deployment.frontends[0][0]}")
     project.compose("stop", "-t", "10")  # the host measures on a quiet machine
-    with LocalCluster(ClusterConfig(num_workers=1, log_dir=tmp_path)) as host_cluster:
+    # The host in the deployment's worker dtype, so that the two run the same kernels.
+    host_config = ClusterConfig(num_workers=1, log_dir=tmp_path,
+                                worker_args=["--dtype", WORKER_DTYPE])
+    with LocalCluster(host_config) as host_cluster:
         host = one_stream_tokens_per_s(host_cluster.address)
     ratio = container / host
     print(f"\n| image size | build | one stream in the container | on the host | ratio |\n"
