@@ -7,9 +7,10 @@
 // multiplied into them.
 //
 // The prefetch is non-temporal where the group being read and the next one fit
-// in L1 together: the weights are used once, and fetched as temporal data their
-// hundreds of megabytes push out of L2 and L3 what the step touches between
-// kernels (the interpreter's code and data, the activations). On a Zen 5 a
+// in L1 together: a step uses each weight once (a model's weights are far larger
+// than the caches, so none would still be cached at the next step), and fetched
+// as temporal data their hundreds of megabytes push out of L2 and L3 what the
+// step touches between kernels (the interpreter's code and data, the activations). On a Zen 5 a
 // one-stream bfloat16 decode step ran 1.07x faster so (benchmarks/RESULTS.md);
 // w8a8 and GGUF steps were unchanged. A line prefetched non-temporally may be
 // dropped when it leaves L1, so where two groups overflow L1 the hint stays T0.
