@@ -25,7 +25,7 @@ from services.common.engine import (
 )
 from services.common.limits import SchedulingLimits
 from services.common.model_runner_output import ModelRunnerOutput, RequestFailure
-from services.common.registration import LeaveRefused, LeaveRequest, WorkerRegistration
+from services.common.registration import Drain, LeaveRefused, LeaveRequest, WorkerRegistration
 from services.common.sampling_params import (
     RequestOutputKind,
     SamplingParams,
@@ -495,8 +495,8 @@ def step_message(s: SchedulerOutput) -> spb.SchedulerMessage:
     return spb.SchedulerMessage(step=scheduler_output_to_proto(s))
 
 
-def drain_message() -> spb.SchedulerMessage:
-    return spb.SchedulerMessage(drain=spb.Drain())
+def drain_message(leave_granted: bool = False) -> spb.SchedulerMessage:
+    return spb.SchedulerMessage(drain=spb.Drain(leave_granted=leave_granted))
 
 
 def leave_refused_message(reason: str) -> spb.SchedulerMessage:
@@ -512,13 +512,13 @@ def registration_ack_from_proto(msg: spb.SchedulerMessage) -> int:
 
 def scheduler_message_from_proto(
     msg: spb.SchedulerMessage,
-) -> SchedulerOutput | LeaveRefused | None:
-    """A step to run, a refused leave, or None for Drain; ValueError for anything else."""
+) -> SchedulerOutput | LeaveRefused | Drain:
+    """A step to run, a refused leave or a drain; ValueError for anything else."""
     kind = msg.WhichOneof("kind")
     if kind == "step":
         return scheduler_output_from_proto(msg.step)
     if kind == "drain":
-        return None
+        return Drain(msg.drain.leave_granted)
     if kind == "leave_refused":
         return LeaveRefused(msg.leave_refused.reason)
     raise ValueError(f"expected a step, drain or leave_refused, got {kind!r}")

@@ -50,6 +50,14 @@ class LeaveRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class Drain:
+    """The scheduler tells the worker to leave (kvmesh.v1.Drain): for the cell it
+    asked to move to when ``leave_granted``, else for good."""
+
+    leave_granted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class LeaveRefused:
     """The scheduler keeps the worker (kvmesh.v1.LeaveRefused): it is the cell's
     last serving worker, or another one is leaving; ``reason`` says which."""

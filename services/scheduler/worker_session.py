@@ -217,7 +217,7 @@ class WorkerSession:
                     return  # its requests were re-placed: what it produced is not theirs
             else:
                 await self._idle()
-        self.outbox.put_nowait(drain_message())
+        self.outbox.put_nowait(drain_message(leave_granted=self.leaving))
 
     def _send(self, scheduler_output: SchedulerOutput) -> None:
         # Tells the worker which of the blocks it wrote the mirror now covers.

@@ -57,7 +57,7 @@ from services.common.security import (
     tls_from_args,
 )
 from services.common.model_runner_output import ModelRunnerOutput
-from services.common.registration import LeaveRefused, LeaveRequest
+from services.common.registration import Drain, LeaveRefused, LeaveRequest
 from services.common.scheduler_addresses import (
     SchedulerTarget,
     parse_scheduler_addresses,
@@ -338,23 +338,25 @@ class WorkerService:
                     leaving_for, move = move.result(), None
                     outputs.put_nowait(LeaveRequest())
                     continue
-                scheduler_output, pending_read = pending_read.result(), None
-                if isinstance(scheduler_output, LeaveRefused):
+                message, pending_read = pending_read.result(), None
+                if isinstance(message, LeaveRefused):
                     logger.info("event=worker_leave_refused worker=%s scheduler=%s reason=%r",
-                                self.config.worker_id, target.address, scheduler_output.reason)
+                                self.config.worker_id, target.address, message.reason)
                     leaving_for, move = None, asyncio.ensure_future(self._next_move(target))
                     continue
-                if scheduler_output is None:
+                if isinstance(message, Drain):
                     await _finish_writing(outputs, writer)
-                    if leaving_for is not None:
+                    # A shutdown's Drain may cross our LeaveRequest (whose
+                    # refusal then comes after it): only a grant moves us.
+                    if message.leave_granted and leaving_for is not None:
                         logger.info("event=worker_rebalanced worker=%s from=%s to=%s",
                                     self.config.worker_id, target.address, leaving_for.address)
                         return leaving_for
                     logger.info("event=worker_drained worker=%s scheduler=%s",
                                 self.config.worker_id, target.address)
                     return None
-                self.dirty_blocks.record(scheduler_output)
-                outputs.put_nowait(asyncio.wrap_future(self.pipeline.submit(scheduler_output)))
+                self.dirty_blocks.record(message)
+                outputs.put_nowait(asyncio.wrap_future(self.pipeline.submit(message)))
         except _Stopped:
             return None
         except _SchedulerLost as e:
@@ -478,9 +480,9 @@ async def _finish_writing(outputs: asyncio.Queue[_Outgoing], writer: asyncio.Fut
     await writer
 
 
-async def _read_step(call: grpc.aio.StreamStreamCall) -> SchedulerOutput | LeaveRefused | None:
-    """The scheduler's next step or refusal of a leave; None for Drain, _SchedulerLost
-    when the stream ends."""
+async def _read_step(call: grpc.aio.StreamStreamCall) -> SchedulerOutput | LeaveRefused | Drain:
+    """The scheduler's next step, refusal of a leave or drain; _SchedulerLost when
+    the stream ends."""
     message = await call.read()
     if message is grpc.aio.EOF:
         raise _SchedulerLost("the scheduler ended the stream")

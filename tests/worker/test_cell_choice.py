@@ -292,3 +292,43 @@ def test_a_worker_asking_to_leave_while_it_runs_requests_finishes_them_first(mod
     assert all(len(set(client.engine_indexes[r])) == 1 for r in expected)
     stayed = {client.engine_indexes[r.request_id][0] for r in later}
     assert len(stayed) == 1
+
+
+def test_a_shutdown_drain_that_crosses_a_request_to_leave_ends_the_worker(model_dir,
+                                                                         monkeypatch):
+    """The scheduler starts shutting down just before it reads the worker's
+    LeaveRequest: the Drain goes out first, any refusal after it. The worker
+    leaves for good; it does not take that Drain for a grant and join the cell
+    it wanted (which, seen in stale stats, may be gone by then)."""
+    def always_the_other(worker_id, current, num_workers_by_address, idle_worker_ids):
+        return next((a for a, n in num_workers_by_address.items()
+                     if a != current and n is not None), None)
+
+    monkeypatch.setattr("services.worker.server.rebalance_target", always_the_other)
+
+    async def scenario():
+        a = await start_scheduler()
+        asked = []
+
+        def shutdown_first(session):
+            asked.append(session.worker_id)
+            a.coordinator.drain_workers()  # the Drain is queued before any answer
+            return None
+
+        monkeypatch.setattr(a.coordinator, "request_leave", shutdown_first)
+        b_port = free_port()  # b is down: the worker joins a
+        worker = start_worker(f"{a.address},127.0.0.1:{b_port}", model_dir, "w0",
+                              rebalance_interval_s=0.1)
+        await wait_for_cells([a], lambda cells: cells == [["w0"]])
+        b = await start_scheduler(port=b_port)
+        await wait_until(lambda: asked)
+        done, _ = await asyncio.wait({worker.task}, timeout=10)
+        joined_b = await worker_ids(b)
+        await a.stop(0.5)
+        await b.stop(0.5)
+        await asyncio.wait_for(worker.task, 10)
+        return asked, bool(done), joined_b
+
+    asked, left, joined_b = run(scenario())
+    assert asked == ["w0"]
+    assert left and joined_b == []

@@ -24,7 +24,7 @@ from services.common.convert import (
 )
 from services.common.limits import SchedulingLimits
 from services.common.redis_server import free_port
-from services.common.registration import LeaveRefused, LeaveRequest, WorkerRegistration
+from services.common.registration import Drain, LeaveRefused, LeaveRequest, WorkerRegistration
 from services.common.scheduler_output import SchedulerOutput
 from services.scheduler.server import SchedulerServer
 from tests.grpc_utils import (
@@ -68,7 +68,8 @@ def test_registration_and_scheduler_messages_round_trip():
     registration = WorkerRegistration("w0", "m", "float32", 16, 64, 256, 256, [2, 3],
                                       SchedulingLimits(max_num_seqs=8, max_num_batched_tokens=512))
     assert worker_message_from_proto(registration_message(registration)) == registration
-    assert scheduler_message_from_proto(drain_message()) is None
+    assert scheduler_message_from_proto(drain_message()) == Drain(leave_granted=False)
+    assert scheduler_message_from_proto(drain_message(leave_granted=True)) == Drain(True)
     assert worker_message_from_proto(leave_message()) == LeaveRequest()
     assert scheduler_message_from_proto(leave_refused_message("why")) == LeaveRefused("why")
     step = SchedulerOutput(finished_req_ids={"a"}, step_id=9)
