@@ -57,6 +57,7 @@ from kernels.cpu_extension import has_cpu_kernel
 from kernels.gguf_linear_cpu import PACK_ROWS, pack_rows
 from kernels.gguf_quants import GGMLQuantizationType
 from kernels.int8_dynamic_linear_cpu import weight_sums
+from services.worker.huge_pages import move_to_huge_pages_
 from services.worker.layers import gguf_layout, linear_choice, quantized_choice
 from services.worker.layers.bf16_linear import UNBOUNDED_ROWS
 from services.worker.layers.packed_linear import can_pack
@@ -279,18 +280,24 @@ def print_fused_step(repeats: int) -> None:
     """The bfloat16 decode step at one row as one op (``kvmesh::llama_decode_cpu``, the
     worker's fused step) against its 120 linears called one after another
     (``kvmesh::bf16_linear_cpu``), on the same weights, and the read bandwidth measured
-    between their calls: ms per call, GB/s read, and that as a share of the bandwidth."""
+    between their calls: ms per call, GB/s read, and that as a share of the bandwidth.
+    The op and ``Tensor.sum`` again with their data on huge pages, as the worker keeps
+    the fused step's weights (``services/worker/huge_pages.py``), where the kernel
+    offers them; the share is of the higher of the two bandwidths."""
     weight_sets, op = fused_step_operands()
     matrices = [[w for w in weights if w.dim() == 2] for weights in weight_sets]
     step_bytes = sum(w.numel() * 2 for w in matrices[0])
     xs = {w.shape[1]: torch.randn(1, w.shape[1]).bfloat16() for w in matrices[0]}
     data = torch.ones(BANDWIDTH_BYTES // 4)
+    huge_sets = [[w.clone() for w in weights] for weights in weight_sets]
+    huge_data = data.clone()
+    on_huge_pages = all(move_to_huge_pages_(t) for t in [*huge_sets, [huge_data]])
 
-    def fused(i: int) -> object:
-        return torch.ops.kvmesh.llama_decode_cpu(
-            op["hidden"], op["positions"], op["cos_sin_cache"], weight_sets[i],
-            weight_sets[i][0], op["kv_caches"], op["slot_mapping"], op["block_table"],
-            op["seq_lens"], 9, 3, 1e-5, 0.125)
+    def step_on(sets: list[list[torch.Tensor]]) -> Callable[[int], object]:
+        return lambda i: torch.ops.kvmesh.llama_decode_cpu(
+            op["hidden"], op["positions"], op["cos_sin_cache"], sets[i], sets[i][0],
+            op["kv_caches"], op["slot_mapping"], op["block_table"], op["seq_lens"], 9, 3,
+            1e-5, 0.125)
 
     def linears(i: int) -> object:
         return [torch.ops.kvmesh.bf16_linear_cpu(xs[w.shape[1]], w) for w in matrices[i]]
@@ -298,9 +305,12 @@ def print_fused_step(repeats: int) -> None:
     # Alternated call by call: the guest's memory speed drifts within minutes. Where
     # the L3 holds a step's weights there are several sets, and each call reads the
     # set the other did not just read.
-    calls = {"fused step (llama_decode_cpu)": (fused, step_bytes),
+    calls = {"fused step (llama_decode_cpu)": (step_on(weight_sets), step_bytes),
              "its 120 linears, one call each": (linears, step_bytes),
              "Tensor.sum (read bandwidth)": (lambda i: data.sum(), data.numel() * 4)}
+    if on_huge_pages:
+        calls["fused step, huge pages"] = (step_on(huge_sets), step_bytes)
+        calls["Tensor.sum, huge pages"] = (lambda i: huge_data.sum(), data.numel() * 4)
     times: dict[str, list[float]] = {name: [] for name in calls}
     for n in range(4 * repeats * len(weight_sets) + 1):
         for j, (name, (call, _)) in enumerate(calls.items()):
@@ -309,7 +319,7 @@ def print_fused_step(repeats: int) -> None:
             if n:  # the first round warms up
                 times[name].append(time.perf_counter() - start)
     rates = {name: calls[name][1] / statistics.median(t) / 1e9 for name, t in times.items()}
-    bandwidth = rates["Tensor.sum (read bandwidth)"]
+    bandwidth = max(rates["Tensor.sum (read bandwidth)"], rates.get("Tensor.sum, huge pages", 0.0))
     print(f"\nbfloat16 decode step at one row, SmolLM2-135M's 30 layers ({step_bytes / 1e6:.0f} MB "
           "of weights), alternating: ms per call (GB/s read; share of read bandwidth):")
     for name, seconds in times.items():

@@ -18,6 +18,7 @@ from services.worker.layers.gguf_linear import GGUFLinear
 from services.worker.layers.quantization import DEFAULT_KERNEL_MAX_ROWS
 from services.worker.model_loader import load_model
 from services.worker.models import llama
+from tests.worker.test_huge_pages import anon_huge_bytes_at, needs_thp
 from tests.worker.test_models import (
     BLOCK_SIZE,
     NUM_BLOCKS,
@@ -149,3 +150,24 @@ def test_more_rows_than_the_op_serves_take_the_pieces(tiny_llama: Path,
 
     monkeypatch.setattr(llama, "llama_decode_cpu", refuse)
     run_paged_schedule(model, config, final_token_ids(config.vocab_size), kv_caches=kv_caches)
+
+
+@needs_thp
+@pytest.mark.parametrize("quantization", [None, "w8a8", "gguf"])
+def test_the_fused_steps_weights_and_the_head_move_onto_huge_pages(
+        tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, quantization: str | None) -> None:
+    """In one buffer on huge pages, the layers' in the order the step reads them; a
+    tied head still shares the embedding's bytes. (The logits test above runs the
+    moved weights.)"""
+    model, config = _packed_model(tiny_llama, "bfloat16", UNBOUNDED_ROWS, monkeypatch, quantization)
+    assert model.fuse_decode_step(make_kv_caches(config, NUM_BLOCKS, BLOCK_SIZE)) > 0
+    weights = model.model.fused_decode.weights
+    embedding = model.model.embed_tokens.weight
+    head = [t for t in model.lm_head.buffers() if t.layout == torch.strided]
+    assert {t.untyped_storage().data_ptr() for t in [*weights, *head, embedding]} == {
+        embedding.untyped_storage().data_ptr()}
+    in_order = list(dict.fromkeys(t.data_ptr() for t in weights))  # shared ones once
+    assert in_order == sorted(in_order)
+    assert anon_huge_bytes_at(weights[0].data_ptr()) > 0
+    if quantization is None:  # the tied head is kvmesh's bfloat16 layer on the table
+        assert model.lm_head.weight.data_ptr() == embedding.data_ptr()

@@ -27,6 +27,7 @@ from services.worker.attention import Attention, AttentionMetadata
 from services.worker.compilation import private_copy
 from services.worker.config import ModelConfig
 from services.worker.gguf_weights import QuantizedWeight, fuse_quantized
+from services.worker.huge_pages import move_to_huge_pages_
 from services.worker.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_emb
 from services.worker.layers.bf16_linear import Bf16Linear
 from services.worker.layers.gguf_linear import GGUFLinear
@@ -422,8 +423,18 @@ class LlamaForCausalLM(nn.Module):
     def fuse_decode_step(self, kv_caches: list[torch.Tensor]) -> int:
         """Runs small decode-only steps as one C++ op where it serves the model (CPU,
         bfloat16 or float32; see ``LlamaModel``); returns up to how many requests, 0
-        if never."""
-        return self.model.fused_decode.max_rows if self.model.fuse_decode_step(kv_caches) else 0
+        if never.
+
+        Where it does, the op's weights, then the LM head's and the embedding's,
+        move onto huge pages in the order a step reads them (``huge_pages``): a
+        step of few requests reads them all from memory and little else."""
+        if not self.model.fuse_decode_step(kv_caches):
+            return 0
+        head = [t for t in (*self.lm_head.parameters(), *self.lm_head.buffers())
+                if t.layout == torch.strided]  # not oneDNN's opaque packed copy
+        move_to_huge_pages_([*self.model.fused_decode.weights, *head,
+                             self.model.embed_tokens.weight])
+        return self.model.fused_decode.max_rows
 
     def compute_logits(self, hidden_states: torch.Tensor,
                        out: torch.Tensor | None = None) -> torch.Tensor:
