@@ -35,7 +35,9 @@ count the worker would choose (``services/worker/layers/quantized_choice.py``).
 against oneDNN's prepacked bfloat16 linear at 16 to 256 rows of bfloat16 activations.
 Last, the bfloat16 decode step at one row as the worker's fused op runs it
 (``kvmesh::llama_decode_cpu``, all 30 layers in one call) against the same weights'
-120 linears called one by one: the weights' read rate in a whole step.
+120 linears called one by one: the weights' read rate in a whole step; then the
+op with its weights on huge pages in each prefetch mode the worker chooses from
+(every table before it runs the kernels' default mode, the whole next group).
 
     .venv/bin/python -m benchmarks.cpu_kernels --threads 2 [--choice-only]
 """
@@ -57,6 +59,7 @@ from kernels.cpu_extension import has_cpu_kernel
 from kernels.gguf_linear_cpu import PACK_ROWS, pack_rows
 from kernels.gguf_quants import GGMLQuantizationType
 from kernels.int8_dynamic_linear_cpu import weight_sums
+from kernels.row_groups import PREFETCH_MODES, set_row_group_prefetch
 from services.worker.huge_pages import move_to_huge_pages_
 from services.worker.layers import gguf_layout, linear_choice, quantized_choice
 from services.worker.layers.bf16_linear import UNBOUNDED_ROWS
@@ -281,9 +284,11 @@ def print_fused_step(repeats: int) -> None:
     worker's fused step) against its 120 linears called one after another
     (``kvmesh::bf16_linear_cpu``), on the same weights, and the read bandwidth measured
     between their calls: ms per call, GB/s read, and that as a share of the bandwidth.
+    Those on plain pages prefetch each next group of rows whole (the kernels' default).
     The op and ``Tensor.sum`` again with their data on huge pages, as the worker keeps
     the fused step's weights (``services/worker/huge_pages.py``), where the kernel
-    offers them; the share is of the higher of the two bandwidths."""
+    offers them, the op in each prefetch mode the worker chooses from
+    (``kernels/row_groups.py``); the share is of the higher of the two bandwidths."""
     weight_sets, op = fused_step_operands()
     matrices = [[w for w in weights if w.dim() == 2] for weights in weight_sets]
     step_bytes = sum(w.numel() * 2 for w in matrices[0])
@@ -293,23 +298,28 @@ def print_fused_step(repeats: int) -> None:
     huge_data = data.clone()
     on_huge_pages = all(move_to_huge_pages_(t) for t in [*huge_sets, [huge_data]])
 
-    def step_on(sets: list[list[torch.Tensor]]) -> Callable[[int], object]:
-        return lambda i: torch.ops.kvmesh.llama_decode_cpu(
-            op["hidden"], op["positions"], op["cos_sin_cache"], sets[i], sets[i][0],
-            op["kv_caches"], op["slot_mapping"], op["block_table"], op["seq_lens"], 9, 3,
-            1e-5, 0.125)
+    def step_on(sets: list[list[torch.Tensor]], mode: str) -> Callable[[int], object]:
+        def step(i: int) -> object:
+            set_row_group_prefetch(mode)
+            return torch.ops.kvmesh.llama_decode_cpu(
+                op["hidden"], op["positions"], op["cos_sin_cache"], sets[i], sets[i][0],
+                op["kv_caches"], op["slot_mapping"], op["block_table"], op["seq_lens"], 9, 3,
+                1e-5, 0.125)
+        return step
 
     def linears(i: int) -> object:
+        set_row_group_prefetch("whole_group")
         return [torch.ops.kvmesh.bf16_linear_cpu(xs[w.shape[1]], w) for w in matrices[i]]
 
     # Alternated call by call: the guest's memory speed drifts within minutes. Where
     # the L3 holds a step's weights there are several sets, and each call reads the
     # set the other did not just read.
-    calls = {"fused step (llama_decode_cpu)": (step_on(weight_sets), step_bytes),
+    calls = {"fused step (llama_decode_cpu)": (step_on(weight_sets, "whole_group"), step_bytes),
              "its 120 linears, one call each": (linears, step_bytes),
              "Tensor.sum (read bandwidth)": (lambda i: data.sum(), data.numel() * 4)}
     if on_huge_pages:
-        calls["fused step, huge pages"] = (step_on(huge_sets), step_bytes)
+        for mode in PREFETCH_MODES:
+            calls[f"fused step, huge pages, {mode}"] = (step_on(huge_sets, mode), step_bytes)
         calls["Tensor.sum, huge pages"] = (lambda i: huge_data.sum(), data.numel() * 4)
     times: dict[str, list[float]] = {name: [] for name in calls}
     for n in range(4 * repeats * len(weight_sets) + 1):
@@ -323,7 +333,7 @@ def print_fused_step(repeats: int) -> None:
     print(f"\nbfloat16 decode step at one row, SmolLM2-135M's 30 layers ({step_bytes / 1e6:.0f} MB "
           "of weights), alternating: ms per call (GB/s read; share of read bandwidth):")
     for name, seconds in times.items():
-        print(f"  {name:<32} {statistics.median(seconds) * 1e3:6.2f} "
+        print(f"  {name:<40} {statistics.median(seconds) * 1e3:6.2f} "
               f"({rates[name]:4.1f}; {rates[name] / bandwidth:.0%})", flush=True)
 
 

@@ -1,5 +1,6 @@
 // The loop every linear kernel here shares: a weight's rows in small groups, split
-// over torch's threads, with the next group prefetched while one computes.
+// over torch's threads, with the next group prefetched while one computes (how, the
+// worker measures at start: RowGroupPrefetch below).
 //
 // A decode step streams each weight from memory once, so each thread takes a
 // contiguous range of groups (one sequential stream for the hardware prefetcher
@@ -22,9 +23,28 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 namespace kvmesh {
+
+// How for_each_row_group prefetches the next group, set for the process by
+// kvmesh::set_row_group_prefetch. Every line of it, issued at once, lets the group
+// arrive while this one computes, but the burst can stall the core until the misses
+// drain: on a Zen 3 guest the decode step ran 1.17x faster with no software prefetch
+// and 1.20x with only the first lines (benchmarks/RESULTS.md), where the Zen 5 gained
+// from the whole group non-temporally. Results are the same bits in every mode.
+enum class RowGroupPrefetch : int {
+  kWholeGroup = 0,  // every line of the next group (the default)
+  kFirstLines = 1,  // its first kFirstLines lines; the hardware prefetcher follows them
+  kNone = 2,        // the hardware prefetcher alone
+};
+constexpr int64_t kFirstLines = 4;
+
+inline std::atomic<int>& row_group_prefetch() {
+  static std::atomic<int> mode{static_cast<int>(RowGroupPrefetch::kWholeGroup)};
+  return mode;
+}
 
 // The L1 data cache's bytes per core (32 KiB where the system does not say).
 inline int64_t l1_data_cache_bytes() {
@@ -38,7 +58,8 @@ inline int64_t l1_data_cache_bytes() {
 // Calls body(n0, num_rows) for each group [n0, n0 + num_rows) of up to kGroupRows
 // consecutive rows of a weight with N rows of row_bytes each, starting at weight.
 // Groups run in order within a thread; before a group's body, the next group's
-// bytes are prefetched into L1 (non-temporally where two groups fit there).
+// bytes (all of them or the first lines: row_group_prefetch) are prefetched into L1,
+// non-temporally where two groups fit there.
 template <int64_t kGroupRows, typename Body>
 inline void for_each_row_group(int64_t N, const void* weight, int64_t row_bytes,
                                const Body& body) {
@@ -46,12 +67,18 @@ inline void for_each_row_group(int64_t N, const void* weight, int64_t row_bytes,
   const int64_t per_thread = (num_groups + at::get_num_threads() - 1) / at::get_num_threads();
   const char* bytes = static_cast<const char*>(weight);
   const bool non_temporal = 2 * kGroupRows * row_bytes <= l1_data_cache_bytes();
+  const auto prefetch =
+      static_cast<RowGroupPrefetch>(row_group_prefetch().load(std::memory_order_relaxed));
+  const int64_t max_bytes = prefetch == RowGroupPrefetch::kWholeGroup ? kGroupRows * row_bytes
+                            : prefetch == RowGroupPrefetch::kFirstLines ? kFirstLines * 64
+                                                                       : 0;
   at::parallel_for(0, num_groups, per_thread, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int64_t n0 = g * kGroupRows;
       if (g + 1 < end) {
         const char* next = bytes + (n0 + kGroupRows) * row_bytes;
-        const int64_t next_bytes = std::min(kGroupRows, N - n0 - kGroupRows) * row_bytes;
+        const int64_t next_bytes =
+            std::min(std::min(kGroupRows, N - n0 - kGroupRows) * row_bytes, max_bytes);
         if (non_temporal) {
           for (int64_t i = 0; i < next_bytes; i += 64) _mm_prefetch(next + i, _MM_HINT_NTA);
         } else {

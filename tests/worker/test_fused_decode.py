@@ -171,3 +171,15 @@ def test_the_fused_steps_weights_and_the_head_move_onto_huge_pages(
     assert anon_huge_bytes_at(weights[0].data_ptr()) > 0
     if quantization is None:  # the tied head is kvmesh's bfloat16 layer on the table
         assert model.lm_head.weight.data_ptr() == embedding.data_ptr()
+
+
+def test_choosing_the_prefetch_mode_leaves_the_kv_caches_as_they_were(
+        tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, config = _packed_model(tiny_llama, "bfloat16", UNBOUNDED_ROWS, monkeypatch)
+    kv_caches = [torch.randn_like(kv) for kv in make_kv_caches(config, NUM_BLOCKS, BLOCK_SIZE)]
+    before = [kv.clone() for kv in kv_caches]
+    timed = []
+    monkeypatch.setattr(llama, "choose_row_group_prefetch", lambda step: timed.append(step()))
+    assert model.fuse_decode_step(kv_caches) > 0
+    assert len(timed) == 1 and timed[0].shape == (1, config.hidden_size)
+    assert all(torch.equal(kv, b) for kv, b in zip(kv_caches, before))

@@ -9,9 +9,10 @@ by ``load_weights``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from services.worker.layers.bf16_linear import Bf16Linear
 from services.worker.layers.gguf_linear import GGUFLinear
 from services.worker.layers.linear_choice import bf16_max_rows_by_shape
 from services.worker.layers.packed_linear import PackedLinear, cpu_linear, pack_linears_
+from services.worker.layers.prefetch_choice import choose_row_group_prefetch
 from services.worker.layers.quantization import Int8Linear, quantize_linears_int8
 from services.worker.layers.quantized_choice import set_kernel_max_rows_
 
@@ -334,6 +336,23 @@ class FusedDecodeStep:
                    model.norm.weight.detach(), attn.num_heads, attn.num_kv_heads,
                    model.norm.variance_epsilon, attn.scale, max_rows)
 
+    @contextlib.contextmanager
+    def one_row_call(self, kv_caches: list[torch.Tensor]) -> Iterator[Callable[[], torch.Tensor]]:
+        """A call of the step for one request of one token, to time: its K and V go
+        to the first slot of the last block of ``kv_caches`` [2, num_blocks,
+        block_size, ...], whose contents are put back on leaving."""
+        block = kv_caches[0].shape[1] - 1
+        saved = [kv[:, block, 0].clone() for kv in kv_caches]
+        zero = torch.zeros(1, dtype=torch.int64)
+        try:
+            yield functools.partial(self, zero, zero, kv_caches,
+                                    torch.tensor([block * kv_caches[0].shape[2]]),
+                                    torch.full((1, 1), block, dtype=torch.int32),
+                                    torch.ones(1, dtype=torch.int32))
+        finally:
+            for kv, contents in zip(kv_caches, saved):
+                kv[:, block, 0] = contents
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
                  block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
@@ -427,14 +446,18 @@ class LlamaForCausalLM(nn.Module):
 
         Where it does, the op's weights, then the LM head's and the embedding's,
         move onto huge pages in the order a step reads them (``huge_pages``): a
-        step of few requests reads them all from memory and little else."""
-        if not self.model.fuse_decode_step(kv_caches):
+        step of few requests reads them all from memory and little else. Then
+        the kernels' prefetch mode is measured on a step of one request
+        (``prefetch_choice``; ``kv_caches`` are left as they were)."""
+        fused = self.model.fused_decode if self.model.fuse_decode_step(kv_caches) else None
+        if fused is None:
             return 0
         head = [t for t in (*self.lm_head.parameters(), *self.lm_head.buffers())
                 if t.layout == torch.strided]  # not oneDNN's opaque packed copy
-        move_to_huge_pages_([*self.model.fused_decode.weights, *head,
-                             self.model.embed_tokens.weight])
-        return self.model.fused_decode.max_rows
+        move_to_huge_pages_([*fused.weights, *head, self.model.embed_tokens.weight])
+        with fused.one_row_call(kv_caches) as step:
+            choose_row_group_prefetch(step)
+        return fused.max_rows
 
     def compute_logits(self, hidden_states: torch.Tensor,
                        out: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,52 @@
+"""The linear kernels' row-group prefetch mode (kernels/row_groups.py): the same
+bits in every mode, set for the process, and refused outside its range."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_extension, gguf_quants
+from kernels.bf16_linear_cpu import bf16_linear
+from kernels.gguf_linear_cpu import gguf_linear, gguf_linear_packed, pack_rows
+from kernels.row_groups import PREFETCH_MODES, row_group_prefetch, set_row_group_prefetch
+
+pytestmark = pytest.mark.skipif(not cpu_extension.has_cpu_kernel("set_row_group_prefetch"),
+                                reason="kvmesh's C++ CPU kernels could not be built here")
+
+
+@pytest.fixture(autouse=True)
+def restore_the_mode():
+    before = row_group_prefetch()
+    yield
+    set_row_group_prefetch(before)
+
+
+def _linears() -> list:
+    """Calls of kernels that share the loop, on odd shapes (a last group of a few rows)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 96, generator=gen)
+    weight = torch.randn(203, 96, generator=gen)
+    q4_1 = gguf_quants.GGMLQuantizationType.Q4_1
+    blocks = gguf_quants.quantize(weight[:200], q4_1)
+    return [lambda: bf16_linear(x.bfloat16(), weight.bfloat16()),
+            lambda: gguf_linear(x, blocks, q4_1),
+            lambda: gguf_linear_packed(x, pack_rows(blocks, q4_1), q4_1)]
+
+
+@pytest.mark.parametrize("mode", PREFETCH_MODES)
+def test_every_mode_gives_the_same_bits(mode: str):
+    set_row_group_prefetch("whole_group")
+    expected = [call() for call in _linears()]
+    set_row_group_prefetch(mode)
+    assert row_group_prefetch() == mode
+    for call, out in zip(_linears(), expected):
+        assert torch.equal(call(), out)
+
+
+def test_a_mode_outside_the_range_is_refused():
+    with pytest.raises(ValueError, match="whole_group, first_lines, none"):
+        set_row_group_prefetch("all")
+    with pytest.raises(RuntimeError, match="mode must be 0"):
+        torch.ops.kvmesh.set_row_group_prefetch(3)
+    assert row_group_prefetch() in PREFETCH_MODES

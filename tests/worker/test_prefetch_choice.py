@@ -1,0 +1,34 @@
+"""The kernels' prefetch mode the worker measures at start
+(services/worker/layers/prefetch_choice.py)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kernels import cpu_extension
+from kernels.row_groups import PREFETCH_MODES, row_group_prefetch, set_row_group_prefetch
+from services.worker.layers.prefetch_choice import choose_row_group_prefetch
+
+pytestmark = pytest.mark.skipif(not cpu_extension.has_cpu_kernel("set_row_group_prefetch"),
+                                reason="kvmesh's C++ CPU kernels could not be built here")
+
+
+@pytest.fixture(autouse=True)
+def restore_the_mode():
+    before = row_group_prefetch()
+    yield
+    set_row_group_prefetch(before)
+
+
+@pytest.mark.parametrize("fastest", PREFETCH_MODES)
+def test_the_mode_whose_step_is_fastest_is_kept(fastest: str):
+    """A step that takes 2 ms in its fastest mode and 12 ms in the others."""
+    def step():
+        time.sleep(0.002 if row_group_prefetch() == fastest else 0.012)
+
+    medians = choose_row_group_prefetch(step)
+    assert row_group_prefetch() == fastest
+    assert set(medians) == set(PREFETCH_MODES)
+    assert min(medians, key=medians.__getitem__) == fastest
