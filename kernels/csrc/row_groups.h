@@ -31,8 +31,8 @@ namespace kvmesh {
 // How for_each_row_group prefetches the next group, set for the process by
 // kvmesh::set_row_group_prefetch. Every line of it, issued at once, lets the group
 // arrive while this one computes, but the burst can stall the core until the misses
-// drain: on a Zen 3 guest the decode step ran 1.17x faster with no software prefetch
-// and 1.20x with only the first lines (benchmarks/RESULTS.md), where the Zen 5 gained
+// drain: on a Zen 3 guest the fused decode step ran 1.16x faster with no software
+// prefetch, 1.21x on huge pages (benchmarks/RESULTS.md), where the Zen 5 had gained
 // from the whole group non-temporally. Results are the same bits in every mode.
 enum class RowGroupPrefetch : int {
   kWholeGroup = 0,  // every line of the next group (the default)

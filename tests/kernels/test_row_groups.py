@@ -11,12 +11,15 @@ from kernels.bf16_linear_cpu import bf16_linear
 from kernels.gguf_linear_cpu import gguf_linear, gguf_linear_packed, pack_rows
 from kernels.row_groups import PREFETCH_MODES, row_group_prefetch, set_row_group_prefetch
 
-pytestmark = pytest.mark.skipif(not cpu_extension.has_cpu_kernel("set_row_group_prefetch"),
-                                reason="kvmesh's C++ CPU kernels could not be built here")
+needs_prefetch_switch = pytest.mark.skipif(
+    not cpu_extension.has_cpu_kernel("set_row_group_prefetch"),
+    reason="kvmesh's C++ CPU kernels could not be built here")
+pytestmark = needs_prefetch_switch
 
 
 @pytest.fixture(autouse=True)
 def restore_the_mode():
+    """The process's mode as it was before the test."""
     before = row_group_prefetch()
     yield
     set_row_group_prefetch(before)

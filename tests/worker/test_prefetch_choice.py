@@ -7,19 +7,11 @@ import time
 
 import pytest
 
-from kernels import cpu_extension
-from kernels.row_groups import PREFETCH_MODES, row_group_prefetch, set_row_group_prefetch
+from kernels.row_groups import PREFETCH_MODES, row_group_prefetch
 from services.worker.layers.prefetch_choice import choose_row_group_prefetch
+from tests.kernels.test_row_groups import needs_prefetch_switch, restore_the_mode  # noqa: F401
 
-pytestmark = pytest.mark.skipif(not cpu_extension.has_cpu_kernel("set_row_group_prefetch"),
-                                reason="kvmesh's C++ CPU kernels could not be built here")
-
-
-@pytest.fixture(autouse=True)
-def restore_the_mode():
-    before = row_group_prefetch()
-    yield
-    set_row_group_prefetch(before)
+pytestmark = needs_prefetch_switch
 
 
 @pytest.mark.parametrize("fastest", PREFETCH_MODES)

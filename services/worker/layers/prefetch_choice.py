@@ -2,13 +2,14 @@
 
 The kernels' row-group loop can prefetch the whole next group, its first lines or
 nothing (``kernels/row_groups.py``). On a Zen 3 guest, with the weights on huge
-pages, a decode step at one row ran 1.22-1.30x faster with no software prefetch
-than with the whole group; on the Zen 5 the whole group, non-temporally, had
-gained 1.07x over a temporal one (benchmarks/RESULTS.md). So rather than assume,
-the worker times its own decode step in each mode, alternating, the weights
-evicted from the caches before every call as a step finds them, and keeps the
-fastest for the process. Results are the same bits in every mode, so the choice
-changes only speed.
+pages, the fused bfloat16 decode step at one row ran 1.21-1.22x faster with no
+software prefetch than with the whole group (an engine step 1.23x), and the GGUF
+step was level, where first lines lost 0.87x; on the Zen 5 the whole group,
+non-temporally, had gained 1.07x over a temporal one (benchmarks/RESULTS.md). So
+rather than assume, the worker times its own decode step in each mode,
+alternating, the weights evicted from the caches before every call as a step
+finds them, and keeps the fastest for the process. Results are the same bits in
+every mode, so the choice changes only speed.
 """
 
 from __future__ import annotations

@@ -350,8 +350,9 @@ class FusedDecodeStep:
                                     torch.full((1, 1), block, dtype=torch.int32),
                                     torch.ones(1, dtype=torch.int32))
         finally:
-            for kv, contents in zip(kv_caches, saved):
-                kv[:, block, 0] = contents
+            with torch.inference_mode():  # the caches may have been made in it
+                for kv, contents in zip(kv_caches, saved):
+                    kv[:, block, 0] = contents
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
