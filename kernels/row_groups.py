@@ -3,10 +3,13 @@
 Every linear kernel in ``kernels/csrc`` reads its weight in small groups of rows
 (``row_groups.h``) and prefetches the next group while one computes: all of it
 (``"whole_group"``, the default), its first few cache lines, leaving the rest to
-the hardware prefetcher (``"first_lines"``), or nothing (``"none"``). Which is
-fastest depends on the CPU (benchmarks/RESULTS.md), so the worker measures it at
-start (``services/worker/layers/prefetch_choice.py``). Results are the same bits
-in every mode.
+the hardware prefetcher (``"first_lines"``), or nothing (``"none"``). Or no group
+is prefetched and the one-row loops (a decode step's) of the packed GGUF kernel
+and of the bfloat16 kernel's widening paths (not AVX512-BF16's, which reads eight
+rows abreast) prefetch a fixed distance ahead of their reads, a line at a time
+(``"ahead"``). Which is fastest depends on the CPU (benchmarks/RESULTS.md), so the
+worker measures it at start (``services/worker/layers/prefetch_choice.py``).
+Results are the same bits in every mode.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 
 from kernels.cpu_extension import has_cpu_kernel
 
-PREFETCH_MODES = ("whole_group", "first_lines", "none")  # row_groups.h's RowGroupPrefetch
+PREFETCH_MODES = ("whole_group", "first_lines", "none", "ahead")  # row_groups.h's RowGroupPrefetch
 
 
 def set_row_group_prefetch(mode: str) -> None:

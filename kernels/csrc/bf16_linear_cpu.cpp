@@ -8,10 +8,11 @@
 // Decode reads every weight once per step, so the kernel is a stream over the
 // weight rows, as kernels/csrc/int8_linear_cpu.cpp is: each thread takes one
 // contiguous range of rows, eight at a time with independent float32 accumulators
-// while the next eight are prefetched, and each weight vector is loaded (and
-// widened) once per block of up to four activation rows. One activation row (the
-// widening paths) takes the eight rows one after another instead, so that the
-// weight is read in order (Widen::dot_row).
+// while the next eight are prefetched (or not: row_groups.h), and each weight vector
+// is loaded (and widened) once per block of up to four activation rows. One
+// activation row (the widening paths) takes the eight rows one after another
+// instead, so that the weight is read in order (Widen::dot_row), prefetching a
+// fixed distance ahead where the process's mode says so.
 //
 // Three paths, chosen per call (`path` "auto"), or forced by name for tests:
 //  - "avx512bf16": vdpbf16ps multiplies bfloat16 pairs straight from memory, for
@@ -108,12 +109,17 @@ struct Widen {
   // to share, so a group's rows go one after another: one sequential stream per
   // thread. Read eight rows abreast (eight streams), the AVX2-only EPYC's two
   // threads streamed 11-12 GB/s; row after row, 14-16 (Tensor.sum: 18-20).
+  // kAhead: each step prefetches the bytes kvmesh::kAheadBytes past it (the
+  // process's mode, RowGroupPrefetch::kAhead); rows are contiguous, so past a
+  // row's end lie the next row's first bytes.
+  template <bool kAhead>
   static float dot_row(const float* x, const uint16_t* w, int64_t K) {
     using Vec = typename Isa::Vec;
     constexpr int64_t P = Isa::kPairs;
     Vec acc[4] = {Isa::zero(), Isa::zero(), Isa::zero(), Isa::zero()};
     int64_t k = 0;
     for (; k + 4 * P <= K; k += 4 * P) {  // two steps of 2 * P elements
+      if constexpr (kAhead) kvmesh::prefetch_ahead(w + k, 4 * P * sizeof(uint16_t));
       Vec even0, odd0, even1, odd1;
       Isa::widen(w + k, even0, odd0);
       Isa::widen(w + k + 2 * P, even1, odd1);
@@ -227,13 +233,18 @@ void dot_block_of(int64_t mb, const typename Path::X* x, const uint16_t* w, int6
   }
 }
 
-// dots[m * kRows + r] for mb rows of x and the group's `rows` weight rows.
+// dots[m * kRows + r] for mb rows of x and the group's `rows` weight rows; `ahead`:
+// the one-row loop prefetches ahead of its reads (kvmesh::prefetch_ahead_mode()).
 template <typename Path>
 void dot_group(const typename Path::X* x, int64_t mb, const uint16_t* w, int64_t rows,
-               int64_t K, float* dots) {
+               int64_t K, bool ahead, float* dots) {
   if constexpr (Path::kRowAtATime) {
+    if (mb == 1 && ahead) {
+      for (int64_t r = 0; r < rows; ++r) dots[r] = Path::template dot_row<true>(x, w + r * K, K);
+      return;
+    }
     if (mb == 1) {
-      for (int64_t r = 0; r < rows; ++r) dots[r] = Path::dot_row(x, w + r * K, K);
+      for (int64_t r = 0; r < rows; ++r) dots[r] = Path::template dot_row<false>(x, w + r * K, K);
       return;
     }
   }
@@ -255,11 +266,12 @@ void bf16_linear_kernel(const at::Tensor& x, const at::Tensor& weight, at::Tenso
   const auto* xs = reinterpret_cast<const typename Path::X*>(xp.data_ptr());
   const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   scalar_t* o = out.data_ptr<scalar_t>();
+  const bool ahead = kvmesh::prefetch_ahead_mode();
   kvmesh::for_each_row_group<kRows>(N, w, K * 2, [&](int64_t n0, int64_t rows) {
     float dots[kBlock * kRows];
     for (int64_t m0 = 0; m0 < M; m0 += kBlock) {  // the group's weights stay in L1
       const int64_t mb = std::min(kBlock, M - m0);
-      dot_group<Path>(xs + m0 * K, mb, w + n0 * K, rows, K, dots);
+      dot_group<Path>(xs + m0 * K, mb, w + n0 * K, rows, K, ahead, dots);
       for (int64_t m = 0; m < mb; ++m) {
         for (int64_t r = 0; r < rows; ++r) {
           o[(m0 + m) * N + n0 + r] = static_cast<scalar_t>(dots[m * kRows + r]);

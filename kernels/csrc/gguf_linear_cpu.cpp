@@ -486,8 +486,9 @@ KVMESH_AVX2 inline __m256 add_block_packed(__m256 acc, __m256i s, __m256 dw, __m
   return acc;
 }
 
-// acc[m] (lane r: weight row r) += block b's products for MB activation rows.
-template <int64_t QT, int64_t MB>
+// acc[m] (lane r: weight row r) += block b's products for MB activation rows;
+// kAhead: each block prefetches the bytes kvmesh::kAheadBytes past it (row_groups.h).
+template <int64_t QT, int64_t MB, bool kAhead>
 KVMESH_AVX2 void dot_group_packed(const uint8_t* group, int64_t num_blocks, const PackedX* xs,
                                   __m256 (&acc)[MB]) {
   using F = Format<QT>;
@@ -495,6 +496,7 @@ KVMESH_AVX2 void dot_group_packed(const uint8_t* group, int64_t num_blocks, cons
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* blk = group + b * kPackRows * F::kBytes;
+    if constexpr (kAhead) kvmesh::prefetch_ahead(blk, kPackRows * F::kBytes);
     __m256 dw, mw;
     load_scales_packed<QT>(blk, dw, mw);
     const uint8_t* qs = blk + kScaleBytes;
@@ -549,7 +551,7 @@ KVMESH_VNNI inline void load_block_vnni(const uint8_t* qs, __m512i (&w)[4]) {
   }
 }
 
-template <int64_t QT, int64_t MB>
+template <int64_t QT, int64_t MB, bool kAhead>
 KVMESH_VNNI void dot_packed_vnni(const uint8_t* group, int64_t num_blocks, const PackedX* xs,
                                  float* out) {
   using F = Format<QT>;
@@ -558,6 +560,7 @@ KVMESH_VNNI void dot_packed_vnni(const uint8_t* group, int64_t num_blocks, const
   constexpr int64_t kScaleBytes = kPackRows * F::kQs;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* blk = group + b * kPackRows * F::kBytes;
+    if constexpr (kAhead) kvmesh::prefetch_ahead(blk, kPackRows * F::kBytes);
     __m256 dw, mw;
     load_scales_packed<QT>(blk, dw, mw);
     __m512i w[4];
@@ -581,33 +584,37 @@ KVMESH_VNNI void dot_packed_vnni(const uint8_t* group, int64_t num_blocks, const
   for (int64_t m = 0; m < MB; ++m) _mm256_storeu_ps(out + m * kPackRows, acc[m]);
 }
 
-template <int64_t QT, int64_t MB>
+template <int64_t QT, int64_t MB, bool kAhead>
 KVMESH_AVX2 void dot_packed(const uint8_t* group, int64_t num_blocks, const PackedX* xs,
                             float* out) {
   __m256 acc[MB];
   for (int64_t m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
-  dot_group_packed<QT, MB>(group, num_blocks, xs, acc);
+  dot_group_packed<QT, MB, kAhead>(group, num_blocks, xs, acc);
   for (int64_t m = 0; m < MB; ++m) _mm256_storeu_ps(out + m * kPackRows, acc[m]);
 }
 
 using DotPacked = void (*)(const uint8_t*, int64_t, const PackedX*, float*);
 
+// The kernel for mb activation rows; `ahead` (one row only): prefetching ahead of its
+// reads, the process's mode (kvmesh::prefetch_ahead_mode()).
 template <int64_t QT, bool kVnni>
-DotPacked dot_packed_for(int64_t mb) {
+DotPacked dot_packed_for(int64_t mb, bool ahead) {
   if constexpr (kVnni) {
-    return mb == 1 ? dot_packed_vnni<QT, 1> : mb == 2 ? dot_packed_vnni<QT, 2>
-         : mb == 3 ? dot_packed_vnni<QT, 3> : dot_packed_vnni<QT, 4>;
+    return mb == 1 ? (ahead ? dot_packed_vnni<QT, 1, true> : dot_packed_vnni<QT, 1, false>)
+         : mb == 2 ? dot_packed_vnni<QT, 2, false>
+         : mb == 3 ? dot_packed_vnni<QT, 3, false> : dot_packed_vnni<QT, 4, false>;
   } else {
-    return mb == 1 ? dot_packed<QT, 1> : mb == 2 ? dot_packed<QT, 2>
-         : mb == 3 ? dot_packed<QT, 3> : dot_packed<QT, 4>;
+    return mb == 1 ? (ahead ? dot_packed<QT, 1, true> : dot_packed<QT, 1, false>)
+         : mb == 2 ? dot_packed<QT, 2, false>
+         : mb == 3 ? dot_packed<QT, 3, false> : dot_packed<QT, 4, false>;
   }
 }
 
 template <bool kVnni>
-DotPacked dot_packed_for(int64_t quant_type, int64_t mb) {
-  return quant_type == kQ4_0 ? dot_packed_for<kQ4_0, kVnni>(mb)
-       : quant_type == kQ4_1 ? dot_packed_for<kQ4_1, kVnni>(mb)
-                             : dot_packed_for<kQ8_0, kVnni>(mb);
+DotPacked dot_packed_for(int64_t quant_type, int64_t mb, bool ahead) {
+  return quant_type == kQ4_0 ? dot_packed_for<kQ4_0, kVnni>(mb, ahead)
+       : quant_type == kQ4_1 ? dot_packed_for<kQ4_1, kVnni>(mb, ahead)
+                             : dot_packed_for<kQ8_0, kVnni>(mb, ahead);
 }
 
 // Activation rows quantized per block, in order: int8 [M, K], d [M, K / 32], aux
@@ -641,9 +648,10 @@ void gguf_linear_packed_kernel(const at::Tensor& x, const at::Tensor& packed, in
   int32_t* aux = reinterpret_cast<int32_t*>(d + M * num_blocks);
   quantize_rows_packed(x_float.data_ptr<float>(), M, K, quant_type, q, d, aux);
   DotPacked kernels[kMaxXRows];
+  const bool ahead = kvmesh::prefetch_ahead_mode();
   for (int64_t mb = 1; mb <= kMaxXRows; ++mb) {
-    kernels[mb - 1] = vnni ? dot_packed_for<true>(quant_type, mb)
-                           : dot_packed_for<false>(quant_type, mb);
+    kernels[mb - 1] = vnni ? dot_packed_for<true>(quant_type, mb, ahead)
+                           : dot_packed_for<false>(quant_type, mb, ahead);
   }
   const uint8_t* w = packed.data_ptr<uint8_t>();
   scalar_t* o = out.data_ptr<scalar_t>();

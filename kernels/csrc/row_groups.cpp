@@ -8,9 +8,9 @@ namespace {
 
 void set_row_group_prefetch(int64_t mode) {
   TORCH_CHECK(mode >= static_cast<int64_t>(kvmesh::RowGroupPrefetch::kWholeGroup) &&
-              mode <= static_cast<int64_t>(kvmesh::RowGroupPrefetch::kNone),
-              "mode must be 0 (the whole next group), 1 (its first lines) or 2 (none), got ",
-              mode);
+              mode <= static_cast<int64_t>(kvmesh::RowGroupPrefetch::kAhead),
+              "mode must be 0 (the whole next group), 1 (its first lines), 2 (none) or 3 ",
+              "(ahead of the reads), got ", mode);
   kvmesh::row_group_prefetch().store(static_cast<int>(mode), std::memory_order_relaxed);
 }
 

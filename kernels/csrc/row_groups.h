@@ -28,18 +28,23 @@
 
 namespace kvmesh {
 
-// How for_each_row_group prefetches the next group, set for the process by
-// kvmesh::set_row_group_prefetch. Every line of it, issued at once, lets the group
-// arrive while this one computes, but the burst can stall the core until the misses
-// drain: on a Zen 3 guest the fused decode step ran 1.16x faster with no software
-// prefetch, 1.21x on huge pages (benchmarks/RESULTS.md), where the Zen 5 had gained
-// from the whole group non-temporally. Results are the same bits in every mode.
+// How the weight rows are prefetched, set for the process by
+// kvmesh::set_row_group_prefetch: by for_each_row_group, the next group before one
+// computes, or by the kernels' one-row loops, a fixed distance ahead as they read.
+// The next group's every line, issued at once, lets it arrive while this one
+// computes, but the burst can stall the core until the misses drain: on a Zen 3
+// guest the fused decode step ran 1.16x faster with no software prefetch, 1.21x on
+// huge pages, where the Zen 5 had gained from the whole group non-temporally; a line
+// at a time kAheadBytes ahead ran it 1.07-1.12x faster again there
+// (benchmarks/RESULTS.md). Results are the same bits in every mode.
 enum class RowGroupPrefetch : int {
   kWholeGroup = 0,  // every line of the next group (the default)
   kFirstLines = 1,  // its first kFirstLines lines; the hardware prefetcher follows them
   kNone = 2,        // the hardware prefetcher alone
+  kAhead = 3,       // none by groups; one-row loops prefetch kAheadBytes ahead (prefetch_ahead)
 };
 constexpr int64_t kFirstLines = 4;
+constexpr int64_t kAheadBytes = 1024;
 
 inline std::atomic<int>& row_group_prefetch() {
   static std::atomic<int> mode{static_cast<int>(RowGroupPrefetch::kWholeGroup)};
@@ -53,6 +58,22 @@ inline int64_t l1_data_cache_bytes() {
     return reported > 0 ? static_cast<int64_t>(reported) : int64_t{32768};
   }();
   return bytes;
+}
+
+// Whether one-row loops prefetch ahead of their reads (RowGroupPrefetch::kAhead): read
+// once per kernel call.
+inline bool prefetch_ahead_mode() {
+  return row_group_prefetch().load(std::memory_order_relaxed) ==
+         static_cast<int>(RowGroupPrefetch::kAhead);
+}
+
+// Prefetches the lines of [p + kAheadBytes, p + kAheadBytes + bytes): a loop that
+// reads a weight in order calls it for each `bytes` it reads from p (steps of 64
+// bytes or less apart), so that lines are asked for a few at a time as it goes, a
+// steady drip the core does not wait on.
+inline void prefetch_ahead(const void* p, int64_t bytes) {
+  const char* ahead = static_cast<const char*>(p) + kAheadBytes;
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
 }
 
 // Calls body(n0, num_rows) for each group [n0, n0 + num_rows) of up to kGroupRows
@@ -71,7 +92,7 @@ inline void for_each_row_group(int64_t N, const void* weight, int64_t row_bytes,
       static_cast<RowGroupPrefetch>(row_group_prefetch().load(std::memory_order_relaxed));
   const int64_t max_bytes = prefetch == RowGroupPrefetch::kWholeGroup ? kGroupRows * row_bytes
                             : prefetch == RowGroupPrefetch::kFirstLines ? kFirstLines * 64
-                                                                       : 0;
+                                                                       : 0;  // none, ahead
   at::parallel_for(0, num_groups, per_thread, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int64_t n0 = g * kGroupRows;

@@ -26,15 +26,19 @@ def restore_the_mode():
 
 
 def _linears() -> list:
-    """Calls of kernels that share the loop, on odd shapes (a last group of a few rows)."""
+    """Calls of kernels that share the loop, on odd shapes (a last group of a few rows),
+    with three activation rows and with one (the loops that prefetch "ahead")."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 96, generator=gen)
     weight = torch.randn(203, 96, generator=gen)
     q4_1 = gguf_quants.GGMLQuantizationType.Q4_1
     blocks = gguf_quants.quantize(weight[:200], q4_1)
-    return [lambda: bf16_linear(x.bfloat16(), weight.bfloat16()),
-            lambda: gguf_linear(x, blocks, q4_1),
-            lambda: gguf_linear_packed(x, pack_rows(blocks, q4_1), q4_1)]
+    packed = pack_rows(blocks, q4_1)
+    return [call for rows in (x, x[:1]) for call in (
+        lambda rows=rows: bf16_linear(rows.bfloat16(), weight.bfloat16()),
+        lambda rows=rows: bf16_linear(rows, weight.bfloat16()),
+        lambda rows=rows: gguf_linear(rows, blocks, q4_1),
+        lambda rows=rows: gguf_linear_packed(rows, packed, q4_1))]
 
 
 @pytest.mark.parametrize("mode", PREFETCH_MODES)
@@ -48,8 +52,8 @@ def test_every_mode_gives_the_same_bits(mode: str):
 
 
 def test_a_mode_outside_the_range_is_refused():
-    with pytest.raises(ValueError, match="whole_group, first_lines, none"):
+    with pytest.raises(ValueError, match="whole_group, first_lines, none, ahead"):
         set_row_group_prefetch("all")
     with pytest.raises(RuntimeError, match="mode must be 0"):
-        torch.ops.kvmesh.set_row_group_prefetch(3)
+        torch.ops.kvmesh.set_row_group_prefetch(len(PREFETCH_MODES))
     assert row_group_prefetch() in PREFETCH_MODES

@@ -1,15 +1,17 @@
 """How the CPU linear kernels prefetch weight rows, measured at start on the model's step.
 
 The kernels' row-group loop can prefetch the whole next group, its first lines or
-nothing (``kernels/row_groups.py``). On a Zen 3 guest, with the weights on huge
-pages, the fused bfloat16 decode step at one row ran 1.21-1.22x faster with no
-software prefetch than with the whole group (an engine step 1.23x), and the GGUF
-step was level, where first lines lost 0.87x; on the Zen 5 the whole group,
-non-temporally, had gained 1.07x over a temporal one (benchmarks/RESULTS.md). So
-rather than assume, the worker times its own decode step in each mode,
-alternating, the weights evicted from the caches before every call as a step
-finds them, and keeps the fastest for the process. Results are the same bits in
-every mode, so the choice changes only speed.
+nothing, or the one-row loops a fixed distance ahead as they read
+(``kernels/row_groups.py``). On a Zen 3 guest, with the weights on huge pages, the
+fused bfloat16 decode step at one row ran 1.21-1.22x faster with no software
+prefetch than with the whole group (an engine step 1.23x), and the GGUF step was
+level, where first lines lost 0.87x; ahead of the reads then ran both 1.07-1.13x
+faster again. On the Zen 5 the whole group, non-temporally, had gained 1.07x over
+a temporal one (benchmarks/RESULTS.md). So rather than assume, the worker times
+its own decode step in each mode, alternating, the weights evicted from the
+caches before every call as a step finds them, and keeps the fastest for the
+process. Results are the same bits in every mode, so the choice changes only
+speed.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from services.worker.layers.linear_choice import last_level_cache_bytes
 
 logger = logging.getLogger(__name__)
 
-# Each mode's step is timed this many times, in rounds whose order alternates.
-NUM_ROUNDS = 4
+# Each mode's step is timed this many times, in rounds whose order alternates: with
+# four, "ahead" won 5 of 6 choices on the Zen 3 where it was 1.07x faster; with eight
+# or more, every one (about half a second at start).
+NUM_ROUNDS = 8
 
 
 def choose_row_group_prefetch(step: Callable[[], object],
