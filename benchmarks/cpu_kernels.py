@@ -33,11 +33,14 @@ rows through the layers' kernels and through dequantize-then-GEMM, and the row
 count the worker would choose (``services/worker/layers/quantized_choice.py``).
 ``--choice-only`` prints just those. Then batched decode: the w8a8 kernel (VNNI)
 against oneDNN's prepacked bfloat16 linear at 16 to 256 rows of bfloat16 activations.
-Last, the bfloat16 decode step at one row as the worker's fused op runs it
-(``kvmesh::llama_decode_cpu``, all 30 layers in one call) against the same weights'
-120 linears called one by one: the weights' read rate in a whole step; then the
-op with its weights on huge pages in each prefetch mode the worker chooses from
-(every table before it runs the kernels' default mode, the whole next group).
+Every table so far runs the kernels' default prefetch mode, the whole next group
+(``kernels/row_groups.py``). Then each of kvmesh's kernels at one row, its weights
+on huge pages, in each prefetch mode, against ``Tensor.sum`` on huge pages: the
+one-row read rate in the mode the worker would choose. Last, the bfloat16 decode
+step at one row as the worker's fused op runs it (``kvmesh::llama_decode_cpu``, all
+30 layers in one call) against the same weights' 120 linears called one by one:
+the weights' read rate in a whole step; then the op with its weights on huge pages
+in each prefetch mode the worker chooses from.
 
     .venv/bin/python -m benchmarks.cpu_kernels --threads 2 [--choice-only]
 """
@@ -45,6 +48,7 @@ op with its weights on huge pages in each prefetch mode the worker chooses from
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import subprocess
 import time
@@ -91,6 +95,13 @@ def cpu_line() -> str:
             + f"; L3 {fields.get('L3 cache', '?').strip()}")
 
 
+def call_s(call: Callable[[], object]) -> float:
+    """Seconds one call of ``call`` takes."""
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
 def median_call_s(call: Callable[[int], object], num_copies: int, repeats: int) -> float:
     """Median of every call's time over ``repeats`` passes over the copies (a median
     of calls, not of passes: on a shared machine a pass often holds a stall)."""
@@ -102,6 +113,30 @@ def median_call_s(call: Callable[[int], object], num_copies: int, repeats: int) 
             call(i)
             times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def alternating_medians(calls: dict[str, Callable[[int], object]], num_copies: int,
+                        num_rounds: int) -> dict[str, float]:
+    """Median seconds of each call, the calls alternated one by one over ``num_rounds``
+    rounds after a round that warms up: the guest's memory speed drifts within
+    minutes, so every call sees the same drift. Each round makes the calls in a new
+    order (seeded), so that no call always follows the same one: a kernel called
+    right after a ``Tensor.sum`` of 256 MiB took 3x as long as after another kernel
+    call (0.13-0.15 against 0.04-0.05 ms on o_proj; a Zen 3). The calls, in the
+    order made, are given the copies in turn (``0..num_copies-1``, again and again):
+    where there are several (the L3 holds one), each copy was last read
+    ``num_copies`` calls ago."""
+    names = list(calls)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    shuffle = random.Random(0).shuffle
+    for n in range(num_rounds + 1):
+        shuffle(names)
+        for j, name in enumerate(names):
+            start = time.perf_counter()
+            calls[name]((n * len(names) + j) % num_copies)
+            if n:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def read_bandwidth_gb_s(repeats: int) -> float:
@@ -153,16 +188,16 @@ def candidates(out_features: int, in_features: int) -> dict[str, tuple[list, Cal
     kernels["bf16 F.linear"] = (copies(weight.bfloat16()),
                                 lambda x, w: F.linear(x.bfloat16(), w[0]))
     kernels["f32 F.linear"] = (copies(weight), lambda x, w: F.linear(x, w[0]))
-    if has_cpu_kernel("int8_linear_cpu"):
-        qweight, scales = quantize_int8(weight)
+    qweight, scales = quantize_int8(weight)
+    if has_cpu_kernel("int8_linear_cpu"):  # AVX-512 builds only
         kernels["int8"] = (copies(qweight, scales),
                            lambda x, w: torch.ops.kvmesh.int8_linear_cpu(x, w[0], w[1]))
-        if has_cpu_kernel("int8_dynamic_linear_cpu"):  # w8a8: activations per token too
-            sums = weight_sums(qweight)
-            for path, use_vnni in (("vnni", True), ("avx2", False)):
-                kernels[f"w8a8 {path}"] = (
-                    copies(qweight, scales, sums), lambda x, w, v=use_vnni:
-                    torch.ops.kvmesh.int8_dynamic_linear_cpu(x, w[0], w[1], w[2], v))
+    if has_cpu_kernel("int8_dynamic_linear_cpu"):  # w8a8: activations per token too
+        sums = weight_sums(qweight)
+        for path, use_vnni in (("vnni", True), ("avx2", False)):
+            kernels[f"w8a8 {path}"] = (
+                copies(qweight, scales, sums), lambda x, w, v=use_vnni:
+                torch.ops.kvmesh.int8_dynamic_linear_cpu(x, w[0], w[1], w[2], v))
     return kernels
 
 
@@ -256,6 +291,49 @@ def print_quantized_choice() -> None:
                   f"{by_way[kernel] / by_way[dequantize]:7.2f}", flush=True)
 
 
+def print_one_row_by_prefetch(repeats: int) -> None:
+    """Each of kvmesh's kernels at one row (a one-stream decode step), its weight
+    copies on huge pages as the worker keeps a step's weights, in each prefetch
+    mode (``kernels/row_groups.py``), the modes alternated call by call: GB/s of
+    weight read, its share of ``Tensor.sum``'s on huge pages measured just before and
+    just after the kernel (the guest's memory speed drifts; not between its calls,
+    where it would slow the call after it: ``alternating_medians``), and the fastest
+    mode. The worker runs one
+    mode for the process, the one its own step was fastest in
+    (``services/worker/layers/prefetch_choice.py``). Only the paths this CPU runs
+    (no VNNI rows without AVX512-VNNI)."""
+    data = torch.ones(BANDWIDTH_BYTES // 4)
+    pages = "huge pages" if move_to_huge_pages_([data]) else "plain pages (no huge pages offered)"
+    print(f"\nOne row, weights on {pages}, each prefetch mode, {torch.get_num_threads()} "
+          "threads: GB/s of weight read (share of Tensor.sum's on them, around each kernel)")
+    for name, (out_features, in_features) in WORKER_SHAPES.items():
+        kernels = {k: v for k, v in candidates(out_features, in_features).items()
+                   if "F.linear" not in k and ("vnni" not in k or torch.cpu._is_vnni_supported())}
+        move_to_huge_pages_([t for weight_copies, _ in kernels.values()
+                             for tensors in weight_copies for t in tensors])
+        x = torch.randn(1, in_features)
+        print(f"\n{name} [{out_features} x {in_features}]")
+        print(f"{'kernel':>18} {'Tensor.sum':>11}" + "".join(f"{m:>14}" for m in PREFETCH_MODES)
+              + f"{'fastest':>14}")
+        for kernel, (weight_copies, call) in kernels.items():
+            def in_mode(mode: str) -> Callable[[int], object]:
+                def one_call(i: int) -> object:
+                    set_row_group_prefetch(mode)
+                    return call(x, weight_copies[i])
+                return one_call
+            sums = [call_s(data.sum) for _ in range(repeats)]
+            seconds = alternating_medians({m: in_mode(m) for m in PREFETCH_MODES},
+                                          len(weight_copies), repeats * len(weight_copies))
+            sums += [call_s(data.sum) for _ in range(repeats)]
+            bandwidth = data.numel() * 4 / statistics.median(sums) / 1e9
+            num_bytes = sum(t.numel() * t.element_size() for t in weight_copies[0])
+            rates = {m: num_bytes / s / 1e9 for m, s in seconds.items()}
+            print(f"{kernel:>18} {bandwidth:11.1f}"
+                  + "".join(f"{f'{r:.1f} ({r / bandwidth:.0%})':>14}" for r in rates.values())
+                  + f"{min(seconds, key=seconds.get):>14}", flush=True)
+    set_row_group_prefetch(PREFETCH_MODES[0])
+
+
 def fused_step_operands(num_layers: int = 30, history: int = 64) -> tuple[list, dict]:
     """SmolLM2-135M's decode step at one row for ``kvmesh::llama_decode_cpu``: random
     bfloat16 weights (copies, so that each call reads its weights from memory) and the
@@ -311,9 +389,6 @@ def print_fused_step(repeats: int) -> None:
         set_row_group_prefetch("whole_group")
         return [torch.ops.kvmesh.bf16_linear_cpu(xs[w.shape[1]], w) for w in matrices[i]]
 
-    # Alternated call by call: the guest's memory speed drifts within minutes. Where
-    # the L3 holds a step's weights there are several sets, and each call reads the
-    # set the other did not just read.
     calls = {"fused step (llama_decode_cpu)": (step_on(weight_sets, "whole_group"), step_bytes),
              "its 120 linears, one call each": (linears, step_bytes),
              "Tensor.sum (read bandwidth)": (lambda i: data.sum(), data.numel() * 4)}
@@ -321,20 +396,15 @@ def print_fused_step(repeats: int) -> None:
         for mode in PREFETCH_MODES:
             calls[f"fused step, huge pages, {mode}"] = (step_on(huge_sets, mode), step_bytes)
         calls["Tensor.sum, huge pages"] = (lambda i: huge_data.sum(), data.numel() * 4)
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for n in range(4 * repeats * len(weight_sets) + 1):
-        for j, (name, (call, _)) in enumerate(calls.items()):
-            start = time.perf_counter()
-            call((n + j) % len(weight_sets))
-            if n:  # the first round warms up
-                times[name].append(time.perf_counter() - start)
-    rates = {name: calls[name][1] / statistics.median(t) / 1e9 for name, t in times.items()}
+    seconds = alternating_medians({name: call for name, (call, _) in calls.items()},
+                                  len(weight_sets), 4 * repeats * len(weight_sets))
+    rates = {name: calls[name][1] / s / 1e9 for name, s in seconds.items()}
     bandwidth = max(rates["Tensor.sum (read bandwidth)"], rates.get("Tensor.sum, huge pages", 0.0))
     print(f"\nbfloat16 decode step at one row, SmolLM2-135M's 30 layers ({step_bytes / 1e6:.0f} MB "
           "of weights), alternating: ms per call (GB/s read; share of read bandwidth):")
-    for name, seconds in times.items():
-        print(f"  {name:<40} {statistics.median(seconds) * 1e3:6.2f} "
-              f"({rates[name]:4.1f}; {rates[name] / bandwidth:.0%})", flush=True)
+    for name, s in seconds.items():
+        print(f"  {name:<40} {s * 1e3:6.2f} ({rates[name]:4.1f}; {rates[name] / bandwidth:.0%})",
+              flush=True)
 
 
 def main() -> None:
@@ -370,6 +440,8 @@ def main() -> None:
                 cells.append(f"{seconds * 1e6:10.1f} ({num_bytes / seconds / 1e9:4.1f})")
             print(f"{num_rows:>3} " + "".join(f"{c:>18}" for c in cells), flush=True)
     print_w8a8_against_bf16(args.repeats)
+    if has_cpu_kernel("set_row_group_prefetch"):
+        print_one_row_by_prefetch(args.repeats)
     if has_cpu_kernel("llama_decode_cpu"):
         print_fused_step(args.repeats)
 
