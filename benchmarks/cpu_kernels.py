@@ -295,13 +295,12 @@ def print_one_row_by_prefetch(repeats: int) -> None:
     """Each of kvmesh's kernels at one row (a one-stream decode step), its weight
     copies on huge pages as the worker keeps a step's weights, in each prefetch
     mode (``kernels/row_groups.py``), the modes alternated call by call: GB/s of
-    weight read, its share of ``Tensor.sum``'s on huge pages measured just before and
-    just after the kernel (the guest's memory speed drifts; not between its calls,
-    where it would slow the call after it: ``alternating_medians``), and the fastest
-    mode. The worker runs one
-    mode for the process, the one its own step was fastest in
-    (``services/worker/layers/prefetch_choice.py``). Only the paths this CPU runs
-    (no VNNI rows without AVX512-VNNI)."""
+    weight read, its share of ``Tensor.sum``'s on huge pages measured just before
+    and just after the kernel (the guest's memory speed drifts; not between its
+    calls, where it would slow the call after it: ``alternating_medians``), and the
+    fastest mode. The worker runs one mode for the process, the one its own step
+    was fastest in (``services/worker/layers/prefetch_choice.py``). Only the paths
+    this CPU runs (no VNNI rows without AVX512-VNNI)."""
     data = torch.ones(BANDWIDTH_BYTES // 4)
     pages = "huge pages" if move_to_huge_pages_([data]) else "plain pages (no huge pages offered)"
     print(f"\nOne row, weights on {pages}, each prefetch mode, {torch.get_num_threads()} "
