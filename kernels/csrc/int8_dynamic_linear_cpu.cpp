@@ -171,6 +171,7 @@ KVMESH_VNNI void dots_vnni(const int8_t* w, const uint8_t* xq, int64_t K, int32_
   }
 }
 
+// The sum of v's eight int32 lanes.
 KVMESH_AVX2 inline int32_t sum_epi32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));

@@ -7,12 +7,12 @@ fused bfloat16 decode step at one row ran 1.21-1.22x faster with no software
 prefetch than with the whole group (an engine step 1.23x), and the GGUF step was
 level, where first lines lost 0.87x; ahead of the reads then ran both 1.07-1.13x
 faster again. The w8a8 step there was fastest with the whole group until its AVX2
-loop read ahead too (1.06-1.22x faster then). On the Zen 5 the whole group, non-temporally, had gained 1.07x over
-a temporal one (benchmarks/RESULTS.md). So rather than assume, the worker times
-its own decode step in each mode, alternating, the weights evicted from the
-caches before every call as a step finds them, and keeps the fastest for the
-process. Results are the same bits in every mode, so the choice changes only
-speed.
+loop read ahead too (1.06-1.22x faster then). On the Zen 5 the whole group,
+non-temporally, had gained 1.07x over a temporal one (benchmarks/RESULTS.md). So
+rather than assume, the worker times its own decode step in each mode,
+alternating, the weights evicted from the caches before every call as a step
+finds them, and keeps the fastest for the process. Results are the same bits in
+every mode, so the choice changes only speed.
 """
 
 from __future__ import annotations
