@@ -95,13 +95,6 @@ def cpu_line() -> str:
             + f"; L3 {fields.get('L3 cache', '?').strip()}")
 
 
-def call_s(call: Callable[[], object]) -> float:
-    """Seconds one call of ``call`` takes."""
-    start = time.perf_counter()
-    call()
-    return time.perf_counter() - start
-
-
 def median_call_s(call: Callable[[int], object], num_copies: int, repeats: int) -> float:
     """Median of every call's time over ``repeats`` passes over the copies (a median
     of calls, not of passes: on a shared machine a pass often holds a stall)."""
@@ -295,19 +288,21 @@ def print_one_row_by_prefetch(repeats: int) -> None:
     """Each of kvmesh's kernels at one row (a one-stream decode step), its weight
     copies on huge pages as the worker keeps a step's weights, in each prefetch
     mode (``kernels/row_groups.py``), the modes alternated call by call: GB/s of
-    weight read, its share of ``Tensor.sum``'s on huge pages measured just before
-    and just after the kernel (the guest's memory speed drifts; not between its
-    calls, where it would slow the call after it: ``alternating_medians``), and the
-    fastest mode. The worker runs one mode for the process, the one its own step
-    was fastest in (``services/worker/layers/prefetch_choice.py``). Only the paths
-    this CPU runs (no VNNI rows without AVX512-VNNI)."""
+    weight read, its share of ``Tensor.sum``'s on huge pages (the mean of its
+    medians just before and just after the kernel: the guest's memory speed drifts;
+    not between its calls, where it would slow the call after it:
+    ``alternating_medians``), and the fastest mode. The worker runs one mode for the
+    process, the one its own step was fastest in
+    (``services/worker/layers/prefetch_choice.py``). Only the paths this CPU runs
+    (no VNNI rows without AVX512-VNNI)."""
     data = torch.ones(BANDWIDTH_BYTES // 4)
     pages = "huge pages" if move_to_huge_pages_([data]) else "plain pages (no huge pages offered)"
     print(f"\nOne row, weights on {pages}, each prefetch mode, {torch.get_num_threads()} "
           "threads: GB/s of weight read (share of Tensor.sum's on them, around each kernel)")
+    has_vnni = torch.cpu._is_vnni_supported()
     for name, (out_features, in_features) in WORKER_SHAPES.items():
         kernels = {k: v for k, v in candidates(out_features, in_features).items()
-                   if "F.linear" not in k and ("vnni" not in k or torch.cpu._is_vnni_supported())}
+                   if "F.linear" not in k and ("vnni" not in k or has_vnni)}
         move_to_huge_pages_([t for weight_copies, _ in kernels.values()
                              for tensors in weight_copies for t in tensors])
         x = torch.randn(1, in_features)
@@ -320,11 +315,11 @@ def print_one_row_by_prefetch(repeats: int) -> None:
                     set_row_group_prefetch(mode)
                     return call(x, weight_copies[i])
                 return one_call
-            sums = [call_s(data.sum) for _ in range(repeats)]
+            before = median_call_s(lambda i: data.sum(), 1, repeats)
             seconds = alternating_medians({m: in_mode(m) for m in PREFETCH_MODES},
                                           len(weight_copies), repeats * len(weight_copies))
-            sums += [call_s(data.sum) for _ in range(repeats)]
-            bandwidth = data.numel() * 4 / statistics.median(sums) / 1e9
+            after = median_call_s(lambda i: data.sum(), 1, repeats)
+            bandwidth = data.numel() * 4 / ((before + after) / 2) / 1e9
             num_bytes = sum(t.numel() * t.element_size() for t in weight_copies[0])
             rates = {m: num_bytes / s / 1e9 for m, s in seconds.items()}
             print(f"{kernel:>18} {bandwidth:11.1f}"
