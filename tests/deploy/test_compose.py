@@ -6,8 +6,8 @@ frontend port over gRPC and over HTTP with the ``openai`` client, a prefix
 routed to the cell that holds it through Redis, a worker container and then a
 scheduler container killed mid-generation with every stream finishing as it
 would have (the workers in float32, where greedy tokens are exact), the image's
-fast paths and one-stream speed against the host's in the same dtype, and ``down -v``
-leaving nothing behind.
+fast paths (its C++ kernels loaded as the image built them) and one-stream speed
+against the host's in the same dtype, and ``down -v`` leaving nothing behind.
 
 The base image stands in for python:3.11-slim and the Redis image for redis:7
 (tests/deploy/images.py). Without root, a Docker engine or debootstrap the
@@ -223,6 +223,7 @@ def test_the_image_runs_the_hosts_fast_paths_at_the_hosts_speed(deployment: Depl
     for container_id in project.container_ids("worker"):
         logs = project.logs(container_id)
         assert "event=cpu_kernels_loaded" in logs and "compiled=True" in logs, logs[-3000:]
+        assert "built=False" in logs, "the image's C++ kernels were built again at start"
         assert "cpu_kernels_unavailable" not in logs and "no_cpp_compiler" not in logs
     container = one_stream_tokens_per_s(f"127.0.0.1:{deployment.frontends[0][0]}")
     project.compose("stop", "-t", "10")  # the host measures on a quiet machine
