@@ -3,7 +3,9 @@
 It carries SmolLM2's tokenizer (copied from the default model directory) so
 text, chat templates and stop strings go through the real code paths; what
 the model says is meaningless, so tests compare runs with each other (the
-oracle tests against transformers use SmolLM2 itself).
+oracle tests against transformers use SmolLM2 itself). Its heads are 32 wide,
+a size kvmesh's C++ decode attention serves, as it serves SmolLM2's: a worker
+then runs the same kernel, with no compiled fallback to build at start.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ TINY_MAX_POSITIONS = 512
 def save_tiny_llama(path: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     """Writes config.json + safetensors (fixed seed) + SmolLM2's tokenizer files to ``path``."""
     config = LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=TINY_MAX_POSITIONS, bos_token_id=1, eos_token_id=2,
         tie_word_embeddings=True, initializer_range=0.25,
