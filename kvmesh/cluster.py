@@ -265,10 +265,14 @@ class LocalCluster:
             deadline = self._deadline()
             for scheduler in self.schedulers:
                 self._wait_serving(scheduler, deadline)
-            self.add_workers(self.config.num_workers)
-            for index in range(self.config.num_frontends):
-                port = self.config.frontend_port if index == 0 else 0
-                self.add_frontend(port)
+            # Frontends start beside the workers: they need only the schedulers, and
+            # their start-up (imports, tokenizer) overlaps the workers' warm-up.
+            workers = self._spawn_workers(self.config.num_workers)
+            frontends = [self._spawn_frontend(self.config.frontend_port if index == 0 else 0)
+                         for index in range(self.config.num_frontends)]
+            deadline = self._deadline()
+            for process in [*workers, *frontends]:
+                self._wait_serving(process, deadline)
         except BaseException:
             self.stop()
             raise
@@ -278,13 +282,7 @@ class LocalCluster:
         """Starts workers (in parallel), each given one cell's scheduler in turn
         (worker-k joins cell (k - 1) mod the number of cells), and waits until
         each has registered."""
-        started = []
-        for _ in range(num_workers):
-            cell = self.schedulers[self._num_workers_started % len(self.schedulers)]
-            self._num_workers_started += 1
-            make_argv = partial(self._worker_argv, scheduler_address=cell.health_address)
-            started.append(self._spawn(f"worker-{self._num_workers_started}", make_argv))
-        self.workers.extend(started)
+        started = self._spawn_workers(num_workers)
         deadline = self._deadline()
         for worker in started:
             self._wait_serving(worker, deadline)
@@ -292,8 +290,7 @@ class LocalCluster:
 
     def add_frontend(self, port: int = 0) -> ServiceProcess:
         """Starts a frontend and waits until it streams to the schedulers."""
-        frontend = self._spawn(f"frontend-{len(self.frontends)}", self._frontend_argv, port)
-        self.frontends.append(frontend)
+        frontend = self._spawn_frontend(port)
         self._wait_serving(frontend, self._deadline())
         return frontend
 
@@ -330,6 +327,23 @@ class LocalCluster:
         self.stop()
 
     # ------------------------------------------------------------ commands
+
+    def _spawn_workers(self, num_workers: int) -> list[ServiceProcess]:
+        """Starts ``num_workers`` workers (see `add_workers`) without waiting for them."""
+        started = []
+        for _ in range(num_workers):
+            cell = self.schedulers[self._num_workers_started % len(self.schedulers)]
+            self._num_workers_started += 1
+            make_argv = partial(self._worker_argv, scheduler_address=cell.health_address)
+            started.append(self._spawn(f"worker-{self._num_workers_started}", make_argv))
+        self.workers.extend(started)
+        return started
+
+    def _spawn_frontend(self, port: int) -> ServiceProcess:
+        """Starts a frontend on ``port`` (0: a free one) without waiting for it."""
+        frontend = self._spawn(f"frontend-{len(self.frontends)}", self._frontend_argv, port)
+        self.frontends.append(frontend)
+        return frontend
 
     def _deadline(self) -> float:
         return time.monotonic() + self.config.startup_timeout_s
