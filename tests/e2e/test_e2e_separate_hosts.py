@@ -166,27 +166,36 @@ def _start_cluster(cluster: SeparateHosts, model_dir: Path, log_dir: Path) -> No
     redis_password, secret = "redis-password-for-the-test", "cluster-secret-for-the-test"
     _start_redis(cluster, redis_password, log_dir)
     redis_url = f"redis://:{redis_password}@{_fqdn('redis')}:{REDIS_PORT}/0"
+    for name in SCHEDULERS:
+        _start_service(cluster, name, model_dir, log_dir, secret, redis_url)
+    for name in SCHEDULERS:
+        _wait_serving(cluster.processes[name], cluster.client_tls)
+    # The frontend needs only the schedulers: it starts while the workers warm up.
+    _start_service(cluster, "frontend", model_dir, log_dir, secret, redis_url)
     # Workers one at a time: each joins the cell with the fewest, so two a cell.
-    for group in ([*SCHEDULERS], *([w] for w in WORKERS), ["frontend"]):
-        for name in group:
-            host = cluster.hosts[name]
-            port = (SCHEDULER_PORT if name in SCHEDULERS else
-                    WORKER_HEALTH_PORT if name in WORKERS else FRONTEND_PORT)
-            # A scheduler's certificate names the Service's name too.
-            tls = cluster.ca.issue(name, [host.hostname, host.ip] + (
-                [SCHEDULERS_NAME] if name in SCHEDULERS else []))
-            env = {CLUSTER_SECRET_ENV: secret}
-            if name not in WORKERS:
-                env[REDIS_URL_ENV] = redis_url
-            cluster.processes[name] = ServiceProcess(
-                name, host.command(_service_argv(name, tls, model_dir)),
-                f"{host.ip}:{port}", log_dir / f"{name}.log", env)
-        for name in group:  # the worker's health port is plaintext, like a probe's
-            _wait_serving(cluster.processes[name],
-                          None if name in WORKERS else cluster.client_tls)
-        if name in WORKERS:  # registered: the next worker sees it in its cell
-            wait_for(lambda: _num_registered(cluster) == WORKERS.index(name) + 1, 60,
-                     f"{name} registered")
+    for index, name in enumerate(WORKERS):
+        _start_service(cluster, name, model_dir, log_dir, secret, redis_url)
+        _wait_serving(cluster.processes[name], None)  # plaintext health, like a probe's
+        # Registered: the next worker sees it in its cell.
+        wait_for(lambda: _num_registered(cluster) == index + 1, 60, f"{name} registered")
+    _wait_serving(cluster.processes["frontend"], cluster.client_tls)
+
+
+def _start_service(cluster: SeparateHosts, name: str, model_dir: Path, log_dir: Path,
+                   secret: str, redis_url: str) -> None:
+    """Starts ``name``'s service on its host with a certificate of its own."""
+    host = cluster.hosts[name]
+    port = (SCHEDULER_PORT if name in SCHEDULERS else
+            WORKER_HEALTH_PORT if name in WORKERS else FRONTEND_PORT)
+    # A scheduler's certificate names the Service's name too.
+    tls = cluster.ca.issue(name, [host.hostname, host.ip] + (
+        [SCHEDULERS_NAME] if name in SCHEDULERS else []))
+    env = {CLUSTER_SECRET_ENV: secret}
+    if name not in WORKERS:
+        env[REDIS_URL_ENV] = redis_url
+    cluster.processes[name] = ServiceProcess(
+        name, host.command(_service_argv(name, tls, model_dir)),
+        f"{host.ip}:{port}", log_dir / f"{name}.log", env)
 
 
 def _num_registered(cluster: SeparateHosts) -> int:
