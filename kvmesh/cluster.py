@@ -216,7 +216,6 @@ class LocalCluster:
         self.schedulers: list[ServiceProcess] = []
         self.workers: list[ServiceProcess] = []
         self.frontends: list[ServiceProcess] = []
-        self._num_workers_started = 0
         self.cluster_secret = config.cluster_secret or secrets.token_urlsafe(32)
 
     @property
@@ -262,37 +261,17 @@ class LocalCluster:
                 name = "scheduler" if num_schedulers == 1 else f"scheduler-{index}"
                 make_argv = partial(self._scheduler_argv, cell_id=f"cell-{index}")
                 self.schedulers.append(self._spawn(name, make_argv))
-            deadline = self._deadline()
-            for scheduler in self.schedulers:
-                self._wait_serving(scheduler, deadline)
+            self._wait_serving(self.schedulers)
             # Frontends start beside the workers: they need only the schedulers, and
             # their start-up (imports, tokenizer) overlaps the workers' warm-up.
-            workers = self._spawn_workers(self.config.num_workers)
-            frontends = [self._spawn_frontend(self.config.frontend_port if index == 0 else 0)
-                         for index in range(self.config.num_frontends)]
-            deadline = self._deadline()
-            for process in [*workers, *frontends]:
-                self._wait_serving(process, deadline)
+            self._spawn_workers(self.config.num_workers)
+            for index in range(self.config.num_frontends):
+                self._spawn_frontend(self.config.frontend_port if index == 0 else 0)
+            self._wait_serving([*self.workers, *self.frontends])
         except BaseException:
             self.stop()
             raise
         return self
-
-    def add_workers(self, num_workers: int) -> list[ServiceProcess]:
-        """Starts workers (in parallel), each given one cell's scheduler in turn
-        (worker-k joins cell (k - 1) mod the number of cells), and waits until
-        each has registered."""
-        started = self._spawn_workers(num_workers)
-        deadline = self._deadline()
-        for worker in started:
-            self._wait_serving(worker, deadline)
-        return started
-
-    def add_frontend(self, port: int = 0) -> ServiceProcess:
-        """Starts a frontend and waits until it streams to the schedulers."""
-        frontend = self._spawn_frontend(port)
-        self._wait_serving(frontend, self._deadline())
-        return frontend
 
     def supervise(self) -> list[str]:
         """Restarts, with backoff, every child that exited on its own and the
@@ -328,30 +307,27 @@ class LocalCluster:
 
     # ------------------------------------------------------------ commands
 
-    def _spawn_workers(self, num_workers: int) -> list[ServiceProcess]:
-        """Starts ``num_workers`` workers (see `add_workers`) without waiting for them."""
-        started = []
-        for _ in range(num_workers):
-            cell = self.schedulers[self._num_workers_started % len(self.schedulers)]
-            self._num_workers_started += 1
+    def _spawn_workers(self, num_workers: int) -> None:
+        """Starts ``num_workers`` workers, each given one cell's scheduler in turn
+        (worker-k joins cell (k - 1) mod the number of cells), without waiting for them."""
+        for index in range(num_workers):
+            cell = self.schedulers[index % len(self.schedulers)]
             make_argv = partial(self._worker_argv, scheduler_address=cell.health_address)
-            started.append(self._spawn(f"worker-{self._num_workers_started}", make_argv))
-        self.workers.extend(started)
-        return started
+            self.workers.append(self._spawn(f"worker-{index + 1}", make_argv))
 
-    def _spawn_frontend(self, port: int) -> ServiceProcess:
+    def _spawn_frontend(self, port: int) -> None:
         """Starts a frontend on ``port`` (0: a free one) without waiting for it."""
-        frontend = self._spawn(f"frontend-{len(self.frontends)}", self._frontend_argv, port)
-        self.frontends.append(frontend)
-        return frontend
+        self.frontends.append(self._spawn(f"frontend-{len(self.frontends)}",
+                                          self._frontend_argv, port))
 
-    def _deadline(self) -> float:
-        return time.monotonic() + self.config.startup_timeout_s
-
-    def _wait_serving(self, process: ServiceProcess, deadline: float) -> None:
-        process.wait_serving(deadline)
-        serves = [f"{kind} {url}" for kind, url in process.urls.items()]
-        self._on_ready(process.name, "  ".join([f"grpc {process.health_address}", *serves]))
+    def _wait_serving(self, processes: Sequence[ServiceProcess]) -> None:
+        """Waits for each of ``processes`` to serve, all within one start-up timeout,
+        and reports each as it does."""
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        for process in processes:
+            process.wait_serving(deadline)
+            serves = [f"{kind} {url}" for kind, url in process.urls.items()]
+            self._on_ready(process.name, "  ".join([f"grpc {process.health_address}", *serves]))
 
     def _spawn(self, name: str, make_argv: ArgvFactory, port: int = 0) -> ServiceProcess:
         """Starts ``make_argv(name, host, port)`` on ``port`` (0: a free one)."""
