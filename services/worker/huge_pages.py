@@ -57,7 +57,7 @@ def _madvise() -> ctypes._CFuncPtr | None:
 def move_to_huge_pages_(tensors: Iterable[torch.Tensor]) -> int:
     """Copies ``tensors`` into one new buffer backed by transparent huge pages, in the
     order given, and points each at its copy (``Tensor.set_``: the same tensor
-    object, so whatever holds it reads the copy). Returns the bytes moved: 0, with
+    object, so whatever holds it reads the copy), each copy a storage of its own. Returns the bytes moved: 0, with
     nothing changed, where the kernel offers no huge pages on request.
 
     Only contiguous CPU tensors move. Tensors that view the same bytes (a tied LM
@@ -83,12 +83,15 @@ def move_to_huge_pages_(tensors: Iterable[torch.Tensor]) -> int:
     if _madvise()(buffer.data_ptr() + offset, total, _MADV_HUGEPAGE) != 0:
         logger.warning("event=huge_pages_refused errno=%d", ctypes.get_errno())
         return 0
-    storage = buffer.untyped_storage()
     with torch.inference_mode():  # which updates weights made in it (or out of it) in place
         for ((_, nbytes), group), slot in zip(by_bytes.items(), slots):
-            buffer[offset:offset + nbytes].copy_(group[0].reshape(-1).view(torch.uint8))
+            # A storage of its own for each copy, over the mapping: tensors of one
+            # storage count as aliases, and torch.compile refuses a nested compile
+            # region (the decode step's layer) whose inputs alias each other.
+            copy = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset)
+            copy.copy_(group[0].reshape(-1).view(torch.uint8))
             for t in group:
-                t.set_(storage, offset // t.element_size(), t.shape, t.stride())
+                t.set_(copy.untyped_storage(), 0, t.shape, t.stride())
             offset += slot
     return sum(nbytes for _, nbytes in by_bytes)
 
