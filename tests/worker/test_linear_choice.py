@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kernels.cpu_extension import has_cpu_kernel
+from kernels.row_groups import PREFETCH_MODES, row_group_prefetch, set_row_group_prefetch
 from services.worker.layers import linear_choice
 from services.worker.layers.bf16_linear import UNBOUNDED_ROWS
 from services.worker.layers.linear_choice import (ONEDNN, ONEDNN_PLAIN, OURS,
@@ -75,6 +76,33 @@ def test_real_measurement_times_each_kernel() -> None:
     assert sorted(timings) == [1, 3]
     assert all(0 < s < 1 for t in timings.values() for s in t.values())
     assert all(set(t) == kernels for t in timings.values())
+
+
+@needs_kernel
+def test_ours_counts_in_its_fastest_prefetch_mode_and_the_mode_in_force_stays(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    seen_modes = []
+    ours_us = {"whole_group": 90.0, "first_lines": 70.0, "none": 40.0, "ahead": 60.0}
+
+    def fake_fastest_call_s(calls, *args) -> dict[str, float]:
+        fastest = {}
+        for name, call in calls.items():
+            call(0)
+            mode = row_group_prefetch()
+            seen_modes.append(mode)
+            fastest[name] = (ours_us[mode] if name.startswith(OURS) else 50.0) * 1e-6
+        return fastest
+
+    monkeypatch.setattr(linear_choice, "fastest_call_s", fake_fastest_call_s)
+    set_row_group_prefetch("first_lines")
+    try:
+        copies = linear_choice.WeightCopies.make(64, 64)
+        timings = linear_choice.time_rows(copies, 1, (OURS, ONEDNN_PLAIN))
+        assert row_group_prefetch() == "first_lines"
+    finally:
+        set_row_group_prefetch(PREFETCH_MODES[0])
+    assert set(seen_modes) == set(PREFETCH_MODES)
+    assert timings == {OURS: pytest.approx(40e-6), ONEDNN_PLAIN: pytest.approx(50e-6)}
 
 
 @pytest.fixture
