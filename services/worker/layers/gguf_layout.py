@@ -17,6 +17,7 @@ sources), one file per block type; editing its ``packed`` overrides the choice.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 
 import torch
@@ -24,7 +25,7 @@ import torch
 from kernels import gguf_quants
 from kernels.cpu_extension import has_cpu_kernel
 from kernels.gguf_linear_cpu import PACK_ROWS, pack_rows
-from services.worker.layers.linear_choice import (cache_dir, fastest_call_s,
+from services.worker.layers.linear_choice import (cache_dir, fastest_in_best_mode,
                                                   last_level_cache_bytes, load_choice,
                                                   store_choice)
 
@@ -37,8 +38,9 @@ MAX_COPIES = 256
 
 
 def measure_layouts(quant_type: int, shape: tuple[int, int] = MEASURED_SHAPE) -> dict[str, float]:
-    """Seconds of each layout's fastest one-row call, each call on its next copy of
-    a random weight of ``shape`` in ``quant_type``'s blocks."""
+    """Seconds of each layout's fastest one-row call, in its fastest prefetch mode
+    (``linear_choice.fastest_in_best_mode``), each call on its next copy of a random
+    weight of ``shape`` in ``quant_type``'s blocks."""
     gen = torch.Generator().manual_seed(0)
     qweight = gguf_quants.quantize(torch.randn(*shape, generator=gen) * 0.05, quant_type)
     # The two layouts' copies, called in turn, together twice the cache.
@@ -47,11 +49,13 @@ def measure_layouts(quant_type: int, shape: tuple[int, int] = MEASURED_SHAPE) ->
     packed_once = pack_rows(qweight, quant_type)
     packed = [packed_once.clone() for _ in range(num_copies)]
     x = torch.randn(1, shape[1], generator=gen)
+    # Each call on its layout's next copy (a call per prefetch mode each round).
+    plain_index, packed_index = itertools.count(), itertools.count(num_copies // 2)
     calls = {PLAIN: lambda i: torch.ops.kvmesh.gguf_linear_cpu(
-                 x, plain[i % num_copies], quant_type),
+                 x, plain[next(plain_index) % num_copies], quant_type),
              PACKED: lambda i: torch.ops.kvmesh.gguf_linear_packed_cpu(
-                 x, packed[(i + num_copies // 2) % num_copies], quant_type)}
-    return fastest_call_s(calls, min_calls=num_copies // 2, max_calls=num_copies)
+                 x, packed[next(packed_index) % num_copies], quant_type)}
+    return fastest_in_best_mode(calls, calls, min_calls=num_copies // 2, max_calls=num_copies)
 
 
 @functools.cache

@@ -4,8 +4,8 @@ kvmesh's bfloat16 kernel (``kernels/bf16_linear_cpu.py``) and oneDNN's prepacked
 linear trade places with the CPU (oneDNN's products grow fast with AVX512-BF16 or
 AMX, slowly without), the weight's shape and the threads, so the worker measures
 rather than assumes. For each weight shape, once: the fastest of a few calls of
-each kernel at 1, 2, 4, ..., 256 rows (ours in each row-group prefetch mode, as the
-worker picks the mode later), the kernels called in turn on copies of the
+each kernel at 1, 2, 4, ..., 256 rows (ours in its fastest row-group prefetch
+mode), the kernels called in turn on copies of the
 weight that together exceed the last-level cache, so that calls read their weight
 from memory as a decode step does. The choice (``choose_max_rows``): the largest row
 count up to which ours won or tied (within 10%) at every count measured, 0 where
@@ -60,7 +60,7 @@ MAX_MEASURED_OUT_FEATURES = 2048
 MAX_COPIES = 64  # of a small weight (a tiny test model's), whatever the cache
 MAX_PACKED_COPIES = 8
 TIE = 1.1  # ours within 10% of theirs: a tie, ours (``_ours_lost``)
-_CACHE_VERSION = 2  # 2: ours timed in its fastest prefetch mode
+_CACHE_VERSION = 3  # 2: our bfloat16 kernel timed in its fastest prefetch mode; 3: GGUF layouts too
 
 
 @dataclasses.dataclass(slots=True)
@@ -147,6 +147,39 @@ def fastest_call_s(calls: Mapping[str, Callable[[int], object]], min_calls: int 
     return fastest_s
 
 
+def fastest_in_best_mode(calls: Mapping[str, Callable[[int], object]], prefetching: Iterable[str],
+                         min_calls: int = 3, max_calls: int = 15,
+                         budget_s: float = 0.02) -> dict[str, float]:
+    """``fastest_call_s`` of ``calls``, those named in ``prefetching`` (kvmesh's kernels,
+    which read their weights as the row-group prefetch mode says) made in each mode,
+    their fastest counting; the mode in force is put back.
+
+    The worker picks the mode later, on its own decode step (``prefetch_choice``),
+    and a kernel timed in the default one only can mislead: on a Xeon with AMX our
+    bfloat16 kernel at one row took twice as long prefetching whole groups as in
+    any other mode, and lost to oneDNN where it won in the others; the GGUF layouts
+    swapped places (benchmarks/RESULTS.md).
+    """
+    prefetching = set(prefetching)
+    by_mode: dict[str, Callable[[int], object]] = {}
+    for name, call in calls.items():
+        if name not in prefetching:
+            by_mode[name] = call
+            continue
+        for mode in PREFETCH_MODES:
+            def in_mode(i: int, call=call, mode=mode) -> object:
+                set_row_group_prefetch(mode)
+                return call(i)
+            by_mode[f"{name} ({mode})"] = in_mode
+    mode_in_force = row_group_prefetch()
+    try:
+        fastest = fastest_call_s(by_mode, min_calls, max_calls, budget_s)
+    finally:
+        set_row_group_prefetch(mode_in_force)
+    return {name: (min(fastest[f"{name} ({mode})"] for mode in PREFETCH_MODES)
+                   if name in prefetching else fastest[name]) for name in calls}
+
+
 def time_rows(copies: WeightCopies, num_rows: int, kernels: Iterable[str], min_calls: int = 3,
               max_calls: int = 15, budget_s: float = 0.02) -> dict[str, float]:
     """Seconds of each kernel's fastest call (``fastest_call_s``) at ``num_rows`` rows
@@ -154,33 +187,12 @@ def time_rows(copies: WeightCopies, num_rows: int, kernels: Iterable[str], min_c
     which builds its primitive, is one of the calls (not the fastest) rather than
     an untimed warm-up that would cost the large products a call each.
 
-    Ours is called in each row-group prefetch mode and its fastest counts: the
-    worker later runs the mode its own decode step is fastest in
-    (``prefetch_choice``), and the default one can mislead. On a Xeon with AMX our
-    kernel at one row took twice as long prefetching whole groups as in any other
-    mode, 0.5x oneDNN's speed where the others were 1.03-1.6x (benchmarks/RESULTS.md).
-    The mode in force is put back.
+    Ours is timed in its fastest row-group prefetch mode (``fastest_in_best_mode``).
     """
     x = torch.randn(num_rows, copies.plain[0].shape[1]).bfloat16()
-
-    def call(name: str, mode: str | None = None) -> Callable[[int], torch.Tensor]:
-        def one_call(i: int) -> torch.Tensor:
-            if mode is not None:
-                set_row_group_prefetch(mode)
-            return KERNELS[name](x, copies, copies.next_index())
-        return one_call
-
-    ours = ({f"{OURS} {mode}": call(OURS, mode) for mode in PREFETCH_MODES}
-            if OURS in kernels else {})
-    mode_in_force = row_group_prefetch()
-    try:
-        fastest = fastest_call_s({**ours, **{name: call(name) for name in kernels if name != OURS}},
-                                 min_calls, max_calls, budget_s)
-    finally:
-        set_row_group_prefetch(mode_in_force)
-    if ours:
-        fastest[OURS] = min(fastest.pop(name) for name in ours)
-    return {name: fastest[name] for name in kernels}
+    calls = {name: (lambda i, kernel=KERNELS[name]: kernel(x, copies, copies.next_index()))
+             for name in kernels}
+    return fastest_in_best_mode(calls, {OURS} & set(kernels), min_calls, max_calls, budget_s)
 
 
 def measure_rows(num_rows: Iterable[int], time_at: Callable[[int], dict[str, float]],
