@@ -5,9 +5,9 @@ Every linear kernel in ``kernels/csrc`` reads its weight in small groups of rows
 (``"whole_group"``, the default), its first few cache lines, leaving the rest to
 the hardware prefetcher (``"first_lines"``), or nothing (``"none"``). Or no group
 is prefetched and the one-row loops (a decode step's) of the packed GGUF kernel,
-of the bfloat16 kernel's widening paths (not AVX512-BF16's, which reads eight
-rows abreast) and of the w8a8 kernel's AVX2 path (not VNNI's) prefetch a fixed
-distance ahead of their reads, a line at a time (``"ahead"``). Which is fastest
+of the bfloat16 kernel (every path) and of the w8a8 kernel's AVX2 path (not
+VNNI's) prefetch a fixed distance ahead of their reads, a line at a time
+(``"ahead"``). Which is fastest
 depends on the CPU (benchmarks/RESULTS.md), so the worker measures it at start
 (``services/worker/layers/prefetch_choice.py``). Results are the same bits in
 every mode.
