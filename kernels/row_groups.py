@@ -7,10 +7,9 @@ the hardware prefetcher (``"first_lines"``), or nothing (``"none"``). Or no grou
 is prefetched and the one-row loops (a decode step's) of the packed GGUF kernel,
 of the bfloat16 kernel (every path) and of the w8a8 kernel's AVX2 path (not
 VNNI's) prefetch a fixed distance ahead of their reads, a line at a time
-(``"ahead"``). Which is fastest
-depends on the CPU (benchmarks/RESULTS.md), so the worker measures it at start
-(``services/worker/layers/prefetch_choice.py``). Results are the same bits in
-every mode.
+(``"ahead"``). Which is fastest depends on the CPU (benchmarks/RESULTS.md), so the
+worker measures it at start (``services/worker/layers/prefetch_choice.py``).
+Results are the same bits in every mode.
 """
 
 from __future__ import annotations

@@ -57,8 +57,9 @@ def _madvise() -> ctypes._CFuncPtr | None:
 def move_to_huge_pages_(tensors: Iterable[torch.Tensor]) -> int:
     """Copies ``tensors`` into one new buffer backed by transparent huge pages, in the
     order given, and points each at its copy (``Tensor.set_``: the same tensor
-    object, so whatever holds it reads the copy), each copy a storage of its own. Returns the bytes moved: 0, with
-    nothing changed, where the kernel offers no huge pages on request.
+    object, so whatever holds it reads the copy), each copy a storage of its own.
+    Returns the bytes moved: 0, with nothing changed, where the kernel offers no
+    huge pages on request.
 
     Only contiguous CPU tensors move. Tensors that view the same bytes (a tied LM
     head and embedding) go on sharing one copy. A tensor that viewed part of a

@@ -55,7 +55,8 @@ def measure_layouts(quant_type: int, shape: tuple[int, int] = MEASURED_SHAPE) ->
                  x, plain[next(plain_index) % num_copies], quant_type),
              PACKED: lambda i: torch.ops.kvmesh.gguf_linear_packed_cpu(
                  x, packed[next(packed_index) % num_copies], quant_type)}
-    return fastest_in_best_mode(calls, calls, min_calls=num_copies // 2, max_calls=num_copies)
+    return fastest_in_best_mode(calls, prefetching=calls, min_calls=num_copies // 2,
+                                max_calls=num_copies)
 
 
 @functools.cache

@@ -5,13 +5,12 @@ linear trade places with the CPU (oneDNN's products grow fast with AVX512-BF16 o
 AMX, slowly without), the weight's shape and the threads, so the worker measures
 rather than assumes. For each weight shape, once: the fastest of a few calls of
 each kernel at 1, 2, 4, ..., 256 rows (ours in its fastest row-group prefetch
-mode), the kernels called in turn on copies of the
-weight that together exceed the last-level cache, so that calls read their weight
-from memory as a decode step does. The choice (``choose_max_rows``): the largest row
-count up to which ours won or tied (within 10%) at every count measured, 0 where
-it lost at one row, ``UNBOUNDED_ROWS`` where it won at 256 too (both are
-compute-bound by then and scale alike with rows, so a prefill's thousands of rows
-go to the winner at 256).
+mode), the kernels called in turn on copies of the weight that together exceed
+the last-level cache, so that calls read their weight from memory as a decode
+step does. The choice (``choose_max_rows``): the largest row count up to which
+ours won or tied (within 10%) at every count measured, 0 where it lost at one row,
+``UNBOUNDED_ROWS`` where it won at 256 too (both are compute-bound by then and
+scale alike with rows, so a prefill's thousands of rows go to the winner at 256).
 
 Measured on the benchmark machine (Xeon, Cascade Lake: AVX-512 and VNNI, no
 AVX512-BF16 or AMX; 2 threads): ours won at every row count for every shape of
@@ -160,10 +159,10 @@ def fastest_in_best_mode(calls: Mapping[str, Callable[[int], object]], prefetchi
     any other mode, and lost to oneDNN where it won in the others; the GGUF layouts
     swapped places (benchmarks/RESULTS.md).
     """
-    prefetching = set(prefetching)
+    moded = set(prefetching)
     by_mode: dict[str, Callable[[int], object]] = {}
     for name, call in calls.items():
-        if name not in prefetching:
+        if name not in moded:
             by_mode[name] = call
             continue
         for mode in PREFETCH_MODES:
@@ -177,7 +176,7 @@ def fastest_in_best_mode(calls: Mapping[str, Callable[[int], object]], prefetchi
     finally:
         set_row_group_prefetch(mode_in_force)
     return {name: (min(fastest[f"{name} ({mode})"] for mode in PREFETCH_MODES)
-                   if name in prefetching else fastest[name]) for name in calls}
+                   if name in moded else fastest[name]) for name in calls}
 
 
 def time_rows(copies: WeightCopies, num_rows: int, kernels: Iterable[str], min_calls: int = 3,
