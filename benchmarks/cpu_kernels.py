@@ -325,6 +325,7 @@ def print_one_row_by_prefetch(repeats: int) -> None:
             print(f"{kernel:>18} {bandwidth:11.1f}"
                   + "".join(f"{f'{r:.1f} ({r / bandwidth:.0%})':>14}" for r in rates.values())
                   + f"{min(seconds, key=seconds.get):>14}", flush=True)
+        del kernels  # before the next shape's copies (see main)
     set_row_group_prefetch(PREFETCH_MODES[0])
 
 
@@ -433,6 +434,10 @@ def main() -> None:
                 num_bytes = sum(t.numel() * t.element_size() for t in copies[0])
                 cells.append(f"{seconds * 1e6:10.1f} ({num_bytes / seconds / 1e9:4.1f})")
             print(f"{num_rows:>3} " + "".join(f"{c:>18}" for c in cells), flush=True)
+        # Each kernel's copies are twice the L3 (960 MiB each on a 480 MiB one): let
+        # this shape's go before the next shape's are made, or the two together
+        # outgrow a 24 GB machine.
+        del kernels
     print_w8a8_against_bf16(args.repeats)
     if has_cpu_kernel("set_row_group_prefetch"):
         print_one_row_by_prefetch(args.repeats)
